@@ -1,0 +1,95 @@
+"""Engine configuration.
+
+`Config` gathers every knob of the engine in one dataclass (names follow vLLM's engine
+arguments) and the model's own Hugging Face config, read through `AutoConfig`. It checks what
+can be checked before anything is allocated: that the model folder exists and describes an
+architecture this engine implements, and that the sizes are consistent.
+"""
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass
+class Config:
+    model: str
+    max_num_batched_tokens: int = 8192   # token budget of one scheduler step
+    max_num_seqs: int = 256              # sequences in one step at most
+    max_model_len: int | None = None     # prompt + output tokens; default: the model's context
+    gpu_memory_utilization: float = 0.9  # share of GPU memory for weights, activations, KV cache
+    cpu_kvcache_space_gb: float = 1.0    # KV cache size when running on the CPU
+    num_kvcache_blocks: int | None = None  # overrides the computed KV cache size
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False          # no CUDA graphs
+    dtype: str = "auto"                  # auto: float32 on CPU, the checkpoint's dtype on GPU
+    device: str = "auto"                 # auto: cuda if available, else cpu
+    seed: int = 0
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+    eos_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self):
+        self.hf_config = load_hf_config(self.model)
+        self.eos_token_ids = load_eos_token_ids(self.model, self.hf_config)
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        model_len = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        if self.max_model_len is None:
+            self.max_model_len = model_len
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
+                     "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
+            raise ValueError(f"num_kvcache_blocks must be at least 1, got {self.num_kvcache_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        if self.device == "cpu":
+            return torch.float32
+        dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        return torch.bfloat16 if dtype in (None, torch.float32) else dtype
+
+
+def load_hf_config(model: str) -> PretrainedConfig:
+    if not os.path.isdir(model) and os.path.exists(model):
+        raise ValueError(f"model {model!r} is a file; pass the folder that holds config.json")
+    try:
+        hf_config = AutoConfig.from_pretrained(model)
+    except OSError as e:
+        raise ValueError(f"cannot load model {model!r}: not a local model folder with a config.json, "
+                         f"nor a model id that can be downloaded here ({e.__class__.__name__})") from e
+    except ValueError as e:
+        raise ValueError(f"malformed config for model {model!r}: {e}") from e
+    archs = getattr(hf_config, "architectures", None) or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(f"model {model!r} has architecture {archs or 'unknown'}; "
+                         f"nanoinfer supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not isinstance(getattr(hf_config, name, None), int):
+            raise ValueError(f"malformed config for model {model!r}: {name} is missing or not an integer")
+    return hf_config
+
+
+def load_eos_token_ids(model: str, hf_config: PretrainedConfig) -> list[int]:
+    """EOS ids from generation_config.json (which may list several), else from config.json."""
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except (OSError, ValueError):
+        eos = None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -1,0 +1,151 @@
+"""Runs the model for one scheduled step.
+
+`prepare_inputs` flattens the step into one unpadded batch: the new tokens of every scheduled
+sequence back to back (`input_ids`, `positions`), where each one's K/V goes (`slot_mapping`),
+and per sequence its query range (`cu_seqlens_q`), key count (`context_lens`) and block table.
+Only sequences whose step reaches their last token are sampled: their last hidden state goes
+through the LM head, the others' prompt chunks just fill the cache.
+
+The KV cache is one tensor [2 (K, V), layers, blocks, block_size, kv_heads, head_dim]; each
+attention layer gets a view of its own slice.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoinfer.attention import AttentionMetadata, get_attn_backend, set_forward_context
+from nanoinfer.config import Config
+from nanoinfer.engine.scheduler import SchedulerOutput
+from nanoinfer.engine.sequence import Sequence
+from nanoinfer.layers.attention import Attention
+from nanoinfer.layers.sampler import Sampler, SamplingMetadata
+from nanoinfer.models import MODEL_REGISTRY
+from nanoinfer.models.loader import load_model
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[int, int] = field(default_factory=dict)       # seq_id -> token
+    logprobs: dict[int, dict[int, float]] = field(default_factory=dict)   # seq_id -> {token: logprob}
+
+
+class ModelRunner:
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        hf_config = config.hf_config
+        arch = next(a for a in hf_config.architectures if a in MODEL_REGISTRY)
+        torch.manual_seed(config.seed)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = MODEL_REGISTRY[arch](hf_config, config.max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_model(self.model, config.model)
+        self.sampler = Sampler()
+        self.attn_backend = get_attn_backend("torch")
+        self.allocate_kv_cache()
+
+    def allocate_kv_cache(self) -> None:
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        num_kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
+        block_bytes = 2 * len(layers) * self.block_size * num_kv_heads * head_dim * self.dtype.itemsize
+        if self.config.num_kvcache_blocks is not None:
+            num_blocks = self.config.num_kvcache_blocks
+        elif self.device.type == "cpu":
+            num_blocks = int(self.config.cpu_kvcache_space_gb * 2**30) // block_bytes
+        else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            num_blocks = int(total * self.config.gpu_memory_utilization - (total - free)) // block_bytes
+        if num_blocks * self.block_size < self.config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {max(num_blocks, 0) * self.block_size} tokens, fewer than max_model_len="
+                f"{self.config.max_model_len}: lower max_model_len or give the cache more memory")
+        self.num_kvcache_blocks = num_blocks
+        self.kv_cache = torch.empty(2, len(layers), num_blocks, self.block_size, num_kv_heads, head_dim,
+                                    dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            layer.backend = self.attn_backend
+
+    def prepare_inputs(self, sched: SchedulerOutput):
+        bs = self.block_size
+        input_ids, positions, slot_mapping, cu_seqlens_q, context_lens = [], [], [], [0], []
+        logits_indices, sample_seqs = [], []
+        for seq, num_new in zip(sched.seqs, sched.num_scheduled_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            for b in range(start // bs, (end - 1) // bs + 1):
+                base = seq.block_table[b] * bs - b * bs
+                slot_mapping.extend(range(base + max(start, b * bs), base + min(end, (b + 1) * bs)))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
+            context_lens.append(end)
+            if end == seq.num_tokens:
+                logits_indices.append(cu_seqlens_q[-1] - 1)
+                sample_seqs.append(seq)
+        max_blocks = max(len(seq.block_table) for seq in sched.seqs)
+        block_tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq in sched.seqs]
+
+        def tensor(data, dtype):
+            return torch.tensor(data, dtype=dtype, device=self.device)
+        meta = AttentionMetadata(
+            cu_seqlens_q=tensor(cu_seqlens_q, torch.int32), context_lens=tensor(context_lens, torch.int32),
+            slot_mapping=tensor(slot_mapping, torch.int64), block_tables=tensor(block_tables, torch.int32),
+            max_seqlen_q=max(sched.num_scheduled_tokens), max_seqlen_k=max(context_lens))
+        return (tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
+                tensor(logits_indices, torch.int64), sample_seqs)
+
+    def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
+        params = [seq.sampling_params for seq in seqs]
+        generators = {}
+        for row, seq in enumerate(seqs):
+            if seq.sampling_params.seed is not None and not seq.sampling_params.greedy:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(self.device).manual_seed(seq.sampling_params.seed)
+                generators[row] = seq.generator
+
+        def column(values, dtype, neutral):
+            return None if all(v == neutral for v in values) else torch.tensor(values, dtype=dtype, device=self.device)
+        num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingMetadata(
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
+            top_ks=column([p.top_k for p in params], torch.int64, 0),
+            top_ps=column([p.top_p for p in params], torch.float32, 1.0),
+            min_ps=column([p.min_p for p in params], torch.float32, 0.0),
+            generators=generators, all_greedy=all(p.greedy for p in params),
+            max_num_logprobs=max(num_logprobs) if num_logprobs else None)
+
+    def block_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Before min_tokens are out, EOS and stop_token_ids cannot be sampled."""
+        for row, seq in enumerate(seqs):
+            params = seq.sampling_params
+            if seq.num_output_tokens < params.min_tokens:
+                blocked = params.stop_token_ids + ([] if params.ignore_eos else self.config.eos_token_ids)
+                logits[row, [t for t in blocked if t < logits.shape[1]]] = float("-inf")
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        input_ids, positions, meta, logits_indices, seqs = self.prepare_inputs(sched)
+        with set_forward_context(meta):
+            hidden_states = self.model(input_ids, positions)
+        out = ModelRunnerOutput()
+        if not seqs:
+            return out
+        logits = self.model.compute_logits(hidden_states[logits_indices]).float()
+        self.block_stop_tokens(logits, seqs)
+        sampled = self.sampler(logits, self.prepare_sampling(seqs))
+        token_ids = sampled.token_ids.tolist()
+        out.sampled_token_ids = {seq.seq_id: t for seq, t in zip(seqs, token_ids)}
+        if sampled.logprobs is not None:
+            ids, lps = sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist()
+            for row, seq in enumerate(seqs):
+                n = seq.sampling_params.logprobs
+                if n is not None:
+                    out.logprobs[seq.seq_id] = dict(zip(ids[row][:n + 1], lps[row][:n + 1]))
+        return out

@@ -1,0 +1,57 @@
+"""Loading a Hugging Face checkpoint (*.safetensors) into the model, tensor by tensor.
+
+Checkpoint names are mapped to our parameters: `q_proj`/`k_proj`/`v_proj` go into the packed
+`qkv_proj` and `gate_proj`/`up_proj` into `gate_up_proj`, as numbered shards. Each parameter's
+own `weight_loader` copies this rank's slice. A tensor we have no place for, a parameter (or
+shard) nobody wrote, or a shape that does not fit is an error: silently random weights are the
+worst kind of bug.
+"""
+import glob
+import os
+
+from safetensors import safe_open
+from torch import nn
+
+from nanoinfer.layers.linear import check_shape
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight) -> None:
+    check_shape(param.data, loaded_weight)
+    param.data.copy_(loaded_weight)
+
+
+def load_model(model: nn.Module, path: str) -> None:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path!r}")
+    params = dict(model.named_parameters())
+    loaded: dict[str, set] = {name: set() for name in params}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue   # a buffer some old checkpoints store; recomputed from the config
+                if name == "lm_head.weight" and model.tie_word_embeddings:
+                    continue   # tied: the LM head is the embedding
+                target, shard_id = name, None
+                for ckpt_name, (packed_name, packed_shard) in model.packed_modules_mapping.items():
+                    if f".{ckpt_name}." in name:
+                        target, shard_id = name.replace(ckpt_name, packed_name), packed_shard
+                        break
+                param = params.get(target)
+                if param is None:
+                    raise ValueError(f"unexpected tensor {name!r} in {file}: the model has no such parameter")
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                try:
+                    if shard_id is None:
+                        loader(param, f.get_tensor(name))
+                    else:
+                        loader(param, f.get_tensor(name), shard_id)
+                except (ValueError, RuntimeError) as e:
+                    raise ValueError(f"cannot load tensor {name!r} from {file}: {e}") from e
+                loaded[target].add(shard_id)
+    for name, param in params.items():
+        missing = set(getattr(param, "shard_ids", (None,))) - loaded[name]
+        if missing:
+            what = name if missing == {None} else f"{name} shards {sorted(missing, key=str)}"
+            raise ValueError(f"checkpoint {path!r} is missing weights for {what}")
