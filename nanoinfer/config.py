@@ -63,15 +63,17 @@ class Config:
 
 
 def load_hf_config(model: str) -> PretrainedConfig:
-    if not os.path.isdir(model) and os.path.exists(model):
+    if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"model folder {model!r} has no config.json")
+    if os.path.isfile(model):
         raise ValueError(f"model {model!r} is a file; pass the folder that holds config.json")
     try:
         hf_config = AutoConfig.from_pretrained(model)
-    except OSError as e:
-        raise ValueError(f"cannot load model {model!r}: not a local model folder with a config.json, "
-                         f"nor a model id that can be downloaded here ({e.__class__.__name__})") from e
-    except ValueError as e:
-        raise ValueError(f"malformed config for model {model!r}: {e}") from e
+    except Exception as e:   # transformers raises many kinds for a bad config.json
+        if os.path.isdir(model):
+            raise ValueError(f"malformed config in {model!r}: {e}") from e
+        raise ValueError(f"cannot load model {model!r}: no such local folder, and no model of that name "
+                         f"could be fetched from a hub ({e.__class__.__name__})") from e
     archs = getattr(hf_config, "architectures", None) or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(f"model {model!r} has architecture {archs or 'unknown'}; "

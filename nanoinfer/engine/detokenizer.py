@@ -32,12 +32,13 @@ class IncrementalDetokenizer:
 
     def update(self) -> str | None:
         """Add the text of the sequence's new tokens to seq.output_text; return the stop string
-        if one now appears (the text is then cut before it)."""
+        if one now appears (the text is then cut before it). A finished sequence's last,
+        incomplete character is flushed rather than held back."""
         seq = self.seq
         end = seq.num_tokens
         prefix_text = self._decode(seq.token_ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(seq.token_ids[self.prefix_offset:end])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not seq.is_finished):
             return None
         delta = new_text[len(prefix_text):]
         self.prefix_offset, self.read_offset = self.read_offset, end

@@ -1,0 +1,28 @@
+"""Chat with a small model: `python example.py` (the embedded SmolLM2-135M-Instruct) or
+`python example.py --model /path/to/hf-folder`."""
+import argparse
+
+from nanoinfer import LLM, SamplingParams
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None, help="a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    args = parser.parse_args()
+
+    llm = LLM(args.model, max_model_len=2048)
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Give me three tips for writing clear code.",
+        "Explain in two sentences why the sky is blue.",
+    ]
+    conversations = [[{"role": "user", "content": q}] for q in questions]
+    params = SamplingParams(temperature=0.6, top_p=0.95, max_tokens=args.max_tokens, seed=0)
+    for question, output in zip(questions, llm.chat(conversations, params)):
+        print(f"\n>>> {question}\n{output.outputs[0].text.strip()}")
+
+
+if __name__ == "__main__":
+    main()

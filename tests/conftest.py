@@ -1,0 +1,109 @@
+"""Shared fixtures: tiny random models of each family, saved as Hugging Face folders.
+
+Every model test compares nanoinfer with transformers itself, in float32 on the CPU. The
+models are random (no weights can be downloaded here); the tokenizer is a small byte-level BPE
+trained on the spot, so multi-byte characters really do span several tokens.
+"""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen3Config)
+
+VOCAB_SIZE = 512
+CORPUS = ["The quick brown fox jumps over the lazy dog. " * 3, "Hello world! Héllo wörld, ça va? 日本語のテキスト 🙂",
+          "Inference engines batch requests, cache keys and values, and sample tokens."] * 20
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(family: str):
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+    if family == "llama":   # Llama 3 rope scaling, untied embeddings
+        return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=500000.0,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if family == "qwen2":   # q/k/v bias, tied embeddings
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if family == "qwen3":   # per-head q/k RMSNorm, explicit head_dim different from hidden/heads
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(family)
+
+
+def save_model(family: str, path: str) -> str:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+    if family == "qwen2":   # random biases, so a dropped bias would show
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.2)
+    model.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {family: save_model(family, str(root / family)) for family in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs) -> str:
+    return model_dirs["llama"]
+
+
+def copy_model(src: str, dst, **generation_config) -> str:
+    """A copy of a model folder, with generation_config.json fields replaced."""
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "generation_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(generation_config)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return str(dst)
+
+
+_hf_models = {}
+
+
+def hf_greedy(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate, EOS ignored: the reference output."""
+    if model_dir not in _hf_models:
+        _hf_models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = _hf_models[model_dir]
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_token_ids]), generation_config=config)
+    return out[0, len(prompt_token_ids):].tolist()
+
+
+def hf_logits(model_dir: str, token_ids: list[int]) -> torch.Tensor:
+    hf_greedy(model_dir, [0], 1)   # load and cache the model
+    with torch.no_grad():
+        return _hf_models[model_dir](torch.tensor([token_ids])).logits[0]
+
+
+def random_prompts(lengths: list[int], seed: int = 0, prefix: list[int] = ()) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [list(prefix) + torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in lengths]

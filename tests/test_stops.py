@@ -1,0 +1,79 @@
+"""Stop conditions: EOS (lists too), stop token ids, stop strings, max_tokens, max_model_len,
+min_tokens; and incremental detokenization across multi-byte characters."""
+from conftest import copy_model, make_tokenizer, random_prompts
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.engine.detokenizer import IncrementalDetokenizer
+from nanoinfer.engine.sequence import Sequence
+
+PROMPT = random_prompts([10], seed=11)[0]
+
+
+def free_run(llm: LLM, n: int = 20):
+    """The greedy continuation with nothing stopping it."""
+    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+
+
+def test_max_tokens_is_length(llama_dir):
+    out = free_run(LLM(llama_dir), 7).outputs[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+
+
+def test_max_model_len_is_length(llama_dir):
+    out = LLM(llama_dir, max_model_len=14).generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_stop_token_ids(llama_dir):
+    llm = LLM(llama_dir)
+    tokens = free_run(llm).outputs[0].token_ids
+    stop_at = next(i for i, t in enumerate(tokens) if i >= 3 and t not in tokens[:i])
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tokens[stop_at]]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[:stop_at + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", tokens[stop_at])
+
+
+def test_eos_from_generation_config_list(llama_dir, tmp_path):
+    tokens = free_run(LLM(llama_dir)).outputs[0].token_ids
+    stop_at = next(i for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])
+    llm = LLM(copy_model(llama_dir, tmp_path / "m", eos_token_id=[2, tokens[stop_at]]))
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[:stop_at + 1] and out.finish_reason == "stop" and out.stop_reason is None
+    ignored = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert ignored[0].outputs[0].token_ids == tokens
+    # min_tokens: EOS cannot be sampled before that many tokens are out
+    late = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, min_tokens=stop_at + 2), use_tqdm=False)
+    assert len(late[0].outputs[0].token_ids) >= stop_at + 2
+
+
+def test_stop_string_cuts_text(llama_dir):
+    llm = LLM(llama_dir)
+    full = free_run(llm).outputs[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.text == full[:full.index(stop)]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert len(out.token_ids) < 20
+
+
+def test_text_equals_decoded_tokens(llama_dir):
+    llm = LLM(llama_dir)
+    out = free_run(llm, 30).outputs[0]
+    assert out.text == llm.get_tokenizer().decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_detokenization_across_multibyte_characters():
+    tokenizer = make_tokenizer()
+    text = "Héllo wörld! 日本語 🙂 ça va"
+    ids = tokenizer.encode(text)
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert any("\ufffd" in p for p in pieces)   # some character really is split across tokens
+    prompt = tokenizer.encode("The")
+    seq = Sequence(prompt, __import__("nanoinfer").SamplingParams())
+    detok = IncrementalDetokenizer(tokenizer, seq)
+    for token in ids:
+        seq.append_token(token)
+        detok.update()
+        assert "\ufffd" not in seq.output_text
+    assert seq.output_text == text
