@@ -30,11 +30,19 @@ class Config:
     dtype: str = "auto"                  # auto: float32 on CPU, the checkpoint's dtype on GPU
     device: str = "auto"                 # auto: cuda if available, else cpu
     seed: int = 0
+    load_format: str = "auto"            # "dummy": random weights, only config.json is read
+    skip_tokenizer_init: bool = False    # prompts are token ids, outputs carry no text
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: list[int] = field(init=False)
 
     def __post_init__(self):
         self.hf_config = load_hf_config(self.model)
+        if not os.path.isdir(self.model):   # a hub id (where a hub is reachable): fetch it once
+            from huggingface_hub import snapshot_download
+            patterns = ["*.json", "*.model", "*.txt", "*.jinja"]
+            if self.load_format == "auto":
+                patterns.append("*.safetensors")
+            self.model = snapshot_download(self.model, allow_patterns=patterns)
         self.eos_token_ids = load_eos_token_ids(self.model, self.hf_config)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,6 +53,8 @@ class Config:
                      "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be at least 1, got {self.num_kvcache_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -186,3 +186,12 @@ def test_installed_package_found_without_import(tmp_path, monkeypatch):
     (pkg / dm.GGUF_NAME).write_bytes(b"GGUF")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert dm._installed_gguf() == str(pkg / dm.GGUF_NAME)
+
+
+def test_converted_model_runs_in_nanoinfer(converted):
+    from conftest import hf_greedy
+    from nanoinfer import LLM, SamplingParams
+    prompt = [1, 5, 77, 200, 300, 2, 42, 9]
+    out = LLM(converted).generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                                  use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(converted, prompt, 10)

@@ -24,7 +24,7 @@ class LLMEngine:
 
     def __init__(self, config: Config):
         self.config = config
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
         self.model_runner = ModelRunner(config)
         block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                      config.enable_prefix_caching)
@@ -37,6 +37,11 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text = None
+        if self.tokenizer is None and (isinstance(prompt, str) or (isinstance(prompt, dict)
+                                                                   and "prompt_token_ids" not in prompt)):
+            raise ValueError("the engine has no tokenizer (skip_tokenizer_init): pass prompt token ids")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; the engine was started with skip_tokenizer_init")
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -62,7 +67,8 @@ class LLMEngine:
         return Sequence(token_ids, params, prompt=text, request_id=request_id)
 
     def add_sequence(self, seq: Sequence) -> None:
-        self.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq)
+        if self.tokenizer is not None:
+            self.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq)
         self.scheduler.add(seq)
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> str:
@@ -74,7 +80,7 @@ class LLMEngine:
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             if seq.request_id == request_id:
                 self.scheduler.finish(seq, "abort")
-                del self.detokenizers[seq.seq_id]
+                self.detokenizers.pop(seq.seq_id, None)
                 return make_output(seq)
         return None
 
@@ -93,16 +99,17 @@ class LLMEngine:
                 continue
             if seq.logprobs is not None:
                 seq.logprobs.append(runner_output.logprobs[seq.seq_id])
+            detokenizer = self.detokenizers.get(seq.seq_id)
             stopped_by_token = seq.is_finished and seq.finish_reason == "stop"
-            if not stopped_by_token:   # the EOS or stop token itself is not part of the text
-                stop_string = self.detokenizers[seq.seq_id].update()
+            if detokenizer and not stopped_by_token:   # the EOS or stop token itself is not text
+                stop_string = detokenizer.update()
                 if stop_string is not None:
                     if seq.is_finished:
                         seq.finish_reason, seq.stop_reason = "stop", stop_string
                     else:
                         self.scheduler.finish(seq, "stop", stop_string)
             if seq.is_finished:
-                del self.detokenizers[seq.seq_id]
+                self.detokenizers.pop(seq.seq_id, None)
                 finished.append(make_output(seq))
         return finished
 

@@ -20,7 +20,7 @@ from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.sampler import Sampler, SamplingMetadata
 from nanoinfer.models import MODEL_REGISTRY
-from nanoinfer.models.loader import load_model
+from nanoinfer.models.loader import init_dummy_weights, load_model
 
 
 @dataclass
@@ -46,7 +46,10 @@ class ModelRunner:
                 self.model = MODEL_REGISTRY[arch](hf_config, config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_model(self.model, config.model)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model)
+        else:
+            load_model(self.model, config.model)
         self.sampler = Sampler()
         self.attn_backend = get_attn_backend("torch")
         self.allocate_kv_cache()

@@ -5,6 +5,9 @@ Checkpoint names are mapped to our parameters: `q_proj`/`k_proj`/`v_proj` go int
 own `weight_loader` copies this rank's slice. A tensor we have no place for, a parameter (or
 shard) nobody wrote, or a shape that does not fit is an error: silently random weights are the
 worst kind of bug.
+
+`init_dummy_weights` instead fills the model with small random values, for benchmarks:
+throughput does not depend on what the weights are.
 """
 import glob
 import os
@@ -55,3 +58,11 @@ def load_model(model: nn.Module, path: str) -> None:
         if missing:
             what = name if missing == {None} else f"{name} shards {sorted(missing, key=str)}"
             raise ValueError(f"checkpoint {path!r} is missing weights for {what}")
+
+
+def init_dummy_weights(model: nn.Module, std: float = 0.02) -> None:
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, std)
