@@ -27,10 +27,6 @@ class SchedulerOutput:
     seqs: list[Sequence]
     num_scheduled_tokens: list[int]
 
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
 
 class Scheduler:
 

@@ -41,9 +41,6 @@ class Sequence:
         self.output_text = ""
         self.generator: torch.Generator | None = None  # set by the model runner for seeded requests
 
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
