@@ -10,6 +10,13 @@ Next to the result it prints the roofline for the same workload: the bytes that 
 (every weight once per decode step, every cached K/V entry once per token that attends to it)
 over the measured HBM bandwidth, and the FLOPs over the measured matmul peak.
 
+It also breaks a step down: scheduling, building the inputs, the model run (GPU timeline,
+CUDA events), and the bookkeeping after it, averaged over all steps.
+
+Other modes: `--mode latency` (batch 1 and 8, fixed lengths: time to first token, time per
+output token, end-to-end; medians of several runs) and `--mode kernels` (the attention kernels
+alone: decode bandwidth, prefill TFLOP/s, next to torch's scaled_dot_product_attention).
+
 On a machine without CUDA it scales itself down (a few short prompts) so it ends in about a
 minute, and says so; the roofline is only printed on a GPU.
 """
@@ -17,8 +24,10 @@ import argparse
 import json
 import os
 import random
+import statistics
 import tempfile
 import time
+from collections import defaultdict
 
 import torch
 
@@ -74,6 +83,144 @@ def measure_gpu_limits() -> tuple[float, float]:
     return bandwidth, 2 * 8192**3 / (ms * 1e-3)
 
 
+class StepTimer:
+    """Wraps the engine's phases to time them: host phases with a clock, the model run with
+    CUDA events (its GPU timeline, launch gaps included)."""
+
+    def __init__(self, engine, on_gpu: bool):
+        self.host, self.events, self.on_gpu = defaultdict(float), [], on_gpu
+        self.wrap(engine.scheduler, "schedule", "schedule")
+        self.wrap(engine.scheduler, "update_from_output", "update")
+        self.wrap(engine.model_runner, "prepare_inputs", "prepare inputs")
+        self.wrap(engine.model_runner, "prepare_sampling", "prepare sampling")
+        run = engine.model_runner.execute_model
+
+        def execute_model(sched):
+            start = time.perf_counter()
+            if on_gpu:
+                events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                events[0].record()
+            out = run(sched)
+            if on_gpu:
+                events[1].record()
+                self.events.append(events)
+            self.host["execute_model (wall)"] += time.perf_counter() - start
+            return out
+        engine.model_runner.execute_model = execute_model
+        step = engine.step
+
+        def timed_step():
+            start = time.perf_counter()
+            out = step()
+            self.host["step (wall)"] += time.perf_counter() - start
+            self.host["steps"] += 1
+            return out
+        engine.step = timed_step
+
+    def wrap(self, obj, name, label):
+        fn = getattr(obj, name)
+
+        def timed(*args):
+            start = time.perf_counter()
+            out = fn(*args)
+            self.host[label] += time.perf_counter() - start
+            return out
+        setattr(obj, name, timed)
+
+    def report(self) -> str:
+        steps = self.host.pop("steps")
+        lines = [f"step breakdown over {steps:.0f} steps (ms per step):"]
+        for label, total in self.host.items():
+            lines.append(f"  {label:<22} {1e3 * total / steps:7.3f}")
+        if self.events:
+            torch.cuda.synchronize()
+            gpu = sum(a.elapsed_time(b) for a, b in self.events) / steps
+            lines.append(f"  {'model run (GPU)':<22} {gpu:7.3f}")
+            lines.append(f"  {'host, outside it':<22} {1e3 * self.host['step (wall)'] / steps - gpu:7.3f}")
+        return "\n".join(lines)
+
+
+def latency(llm: LLM, input_len: int, output_len: int, runs: int = 5) -> None:
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for batch in (1, 8):
+        ttft, tpot, e2e = [], [], []
+        for run in range(runs + 1):
+            rng = random.Random(run)   # new prompts each run: no prefix-cache hits
+            for _ in range(batch):
+                engine.add_request([rng.randint(0, 10000) for _ in range(input_len)], params)
+            start, first = time.perf_counter(), None
+            while engine.has_unfinished_requests():
+                engine.step()
+                first = first or time.perf_counter() - start
+            total = time.perf_counter() - start
+            if run:   # the first run is a warm-up
+                ttft.append(first)
+                tpot.append((total - first) / (output_len - 1))
+                e2e.append(total)
+        print(f"batch {batch}, {input_len} in / {output_len} out, median of {runs}: "
+              f"TTFT {1e3 * statistics.median(ttft):.1f} ms, TPOT {1e3 * statistics.median(tpot):.2f} ms, "
+              f"end-to-end {statistics.median(e2e):.3f} s")
+
+
+def kernels() -> None:
+    """Decode and prefill attention, Qwen3-0.6B heads (16 q / 8 kv, head_dim 128), bf16."""
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from nanoinfer.kernels.decode_attention import decode_attention
+    from nanoinfer.kernels.prefill_attention import prefill_attention
+    heads, kv_heads, dim, page, dev = 16, 8, 128, 16, "cuda"
+    bench_ms = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")  # noqa: E731
+    bandwidth, _ = measure_gpu_limits()
+    print(f"device copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)")
+
+    def torch_sdpa(q, k, v, causal):
+        results = []
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    results.append((name, bench_ms(lambda: sdpa(q, k, v, is_causal=causal, enable_gqa=True))))
+            except RuntimeError:
+                results.append((name, None))
+        return results
+
+    for num_seqs, ctx in ((256, 1024), (8, 8192), (1, 4096)):
+        blocks = num_seqs * ctx // page
+        k_cache = torch.randn(blocks, page, kv_heads, dim, dtype=torch.bfloat16, device=dev)
+        v_cache = torch.randn_like(k_cache)
+        block_tables = torch.randperm(blocks, device=dev).view(num_seqs, -1).to(torch.int32)
+        context_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(num_seqs, heads, dim, dtype=torch.bfloat16, device=dev)
+        kv_bytes = 2 * num_seqs * ctx * kv_heads * dim * 2
+        ms = bench_ms(lambda: decode_attention(q, k_cache, v_cache, block_tables, context_lens, dim ** -0.5))
+        line = f"decode {num_seqs} x {ctx}: nanoinfer {kv_bytes / ms / 1e9:,.0f} GB/s ({kv_bytes / ms / 1e-3 / bandwidth:.0%} of copy)"
+        k = torch.randn(num_seqs, kv_heads, ctx, dim, dtype=torch.bfloat16, device=dev)
+        v = torch.randn_like(k)
+        for name, t in torch_sdpa(q.unsqueeze(2), k, v, False):
+            line += f"; torch {name} " + (f"{kv_bytes / t / 1e9:,.0f} GB/s" if t else "n/a")
+        print(line)
+        del k_cache, v_cache, k, v
+
+    num_seqs, length = 8, 2048
+    tokens = num_seqs * length
+    k_cache = torch.randn(tokens // page, page, kv_heads, dim, dtype=torch.bfloat16, device=dev)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.arange(tokens // page, device=dev, dtype=torch.int32).view(num_seqs, -1)
+    lens = torch.full((num_seqs,), length, dtype=torch.int32, device=dev)
+    cu = torch.arange(0, tokens + 1, length, dtype=torch.int32, device=dev)
+    q = torch.randn(tokens, heads, dim, dtype=torch.bfloat16, device=dev)
+    flops = 4 * num_seqs * heads * dim * length * length / 2
+    ms = bench_ms(lambda: prefill_attention(q, k_cache, v_cache, cu, lens, block_tables, length, dim ** -0.5))
+    line = f"prefill {num_seqs} x {length} causal: nanoinfer {flops / ms / 1e9:,.0f} TFLOP/s"
+    qt = q.view(num_seqs, length, heads, dim).transpose(1, 2)
+    k = torch.randn(num_seqs, kv_heads, length, dim, dtype=torch.bfloat16, device=dev)
+    for name, t in torch_sdpa(qt, k, torch.randn_like(k), True):
+        line += f"; torch {name} " + (f"{flops / t / 1e9:,.0f} TFLOP/s" if t else "n/a")
+    print(line)
+
+
 def main():
     parser = argparse.ArgumentParser(description="nanoinfer throughput benchmark")
     parser.add_argument("--model", default=None, help="HF model folder (default: Qwen3-0.6B shape, random weights)")
@@ -84,10 +231,20 @@ def main():
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--mode", choices=["throughput", "latency", "kernels"], default="throughput")
+    parser.add_argument("--input-len", type=int, default=512, help="latency mode: prompt length")
+    parser.add_argument("--output-len", type=int, default=256, help="latency mode: output length")
     args = parser.parse_args()
 
     on_gpu = torch.cuda.is_available()
-    if not on_gpu:
+    if args.mode == "kernels":
+        if not on_gpu:
+            raise SystemExit("--mode kernels needs a CUDA GPU")
+        return kernels()
+    if not on_gpu and args.mode == "latency":
+        print("No CUDA device: latency scaled down to 64 prompt and 8 output tokens.")
+        args.input_len, args.output_len = 64, 8
+    elif not on_gpu:
         print("No CUDA device: scaled down to 8 prompts of <= 256 tokens and <= 32 output tokens, "
               "so it ends in about a minute. CPU numbers say nothing about GPU throughput.")
         args.num_seqs, args.max_input_len, args.max_output_len = 8, 256, 32
@@ -100,12 +257,17 @@ def main():
         with open(os.path.join(model, "config.json"), "w") as f:
             json.dump(QWEN3_0_6B, f)
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
+    if args.mode == "latency":
+        kwargs["max_model_len"] = args.input_len + args.output_len
     llm = LLM(model, **kwargs)
+    if args.mode == "latency":
+        return latency(llm, args.input_len, args.output_len)
 
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
     if on_gpu:
         torch.cuda.synchronize()
+    timer = StepTimer(llm.llm_engine, on_gpu)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     if on_gpu:
@@ -125,6 +287,7 @@ def main():
               f"= {bytes_moved / bandwidth:.2f} s; {flops / 1e12:.0f} TFLOP at {peak / 1e12:.0f} TFLOP/s = "
               f"{flops / peak:.2f} s; bound {output_tokens / bound:,.0f} output tok/s; "
               f"achieved {bound / elapsed:.1%} of it")
+    print(timer.report())
 
 
 if __name__ == "__main__":

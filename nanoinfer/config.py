@@ -29,6 +29,7 @@ class Config:
     enforce_eager: bool = False          # no CUDA graphs
     dtype: str = "auto"                  # auto: float32 on CPU, the checkpoint's dtype on GPU
     device: str = "auto"                 # auto: cuda if available, else cpu
+    attention_backend: str = "auto"      # auto: triton on cuda, torch on cpu
     seed: int = 0
     load_format: str = "auto"            # "dummy": random weights, only config.json is read
     skip_tokenizer_init: bool = False    # prompts are token ids, outputs carry no text
@@ -46,6 +47,8 @@ class Config:
         self.eos_token_ids = load_eos_token_ids(self.model, self.hf_config)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device == "cuda" else "torch"
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
             self.max_model_len = model_len

@@ -4,12 +4,17 @@ Every model test compares nanoinfer with transformers itself, in float32 on the 
 models are random (no weights can be downloaded here); the tokenizer is a small byte-level BPE
 trained on the spot, so multi-byte characters really do span several tokens.
 """
+import functools
 import json
 import os
 import shutil
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():   # Triton kernels run under the interpreter on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast,
                           Qwen2Config, Qwen3Config)
@@ -59,6 +64,15 @@ def save_model(family: str, path: str) -> str:
     make_tokenizer().save_pretrained(path)
     GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def engine_on_cpu_unless_gpu_test(request, monkeypatch):
+    """The reference runs are float32 on the CPU, so the engine runs there too, also on a machine
+    with a GPU; tests marked `gpu` choose their own device."""
+    if request.node.get_closest_marker("gpu") is None:
+        import nanoinfer.entrypoints.llm as llm_module
+        monkeypatch.setattr(llm_module, "Config", functools.partial(llm_module.Config, device="cpu"))
 
 
 @pytest.fixture(scope="session")

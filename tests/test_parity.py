@@ -1,6 +1,7 @@
 """Token-exact greedy parity with transformers, for each model family and each engine mechanism:
 mixed prompt lengths in one batch, prefix-cache hits, chunked prefill, and preemption."""
 import pytest
+import torch
 
 from conftest import hf_greedy, random_prompts
 from nanoinfer import LLM, SamplingParams
@@ -64,3 +65,16 @@ def test_preemption_keeps_outputs(model_dirs, family):
     assert generate_ids(llm, prompts) == expected(model_dirs[family], prompts)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert llm.llm_engine.scheduler.block_manager.num_free_blocks == 12
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_triton_backend(model_dirs, family):
+    """The whole engine on the Triton kernels (under the interpreter on a CPU-only machine):
+    prefill chunks after cached prefixes, mixed steps and pure decode steps."""
+    prompts = random_prompts([20, 45], seed=9, prefix=random_prompts([32], seed=10)[0])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(model_dirs[family], attention_backend="triton", max_num_batched_tokens=48, device=device,
+              dtype="float32", enforce_eager=True)
+    ids = generate_ids(llm, prompts[:1]) + generate_ids(llm, prompts[1:])
+    assert llm.llm_engine.scheduler.block_manager.num_prefix_hit_tokens == 32
+    assert ids == expected(model_dirs[family], prompts)

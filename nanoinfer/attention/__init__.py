@@ -8,4 +8,7 @@ def get_attn_backend(name: str):
     if name == "torch":
         from nanoinfer.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend
-    raise ValueError(f"unknown attention backend {name!r}; available: 'torch'")
+    if name == "triton":
+        from nanoinfer.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend
+    raise ValueError(f"unknown attention backend {name!r}; available: 'torch', 'triton'")

@@ -7,7 +7,10 @@ Only sequences whose step reaches their last token are sampled: their last hidde
 through the LM head, the others' prompt chunks just fill the cache.
 
 The KV cache is one tensor [2 (K, V), layers, blocks, block_size, kv_heads, head_dim]; each
-attention layer gets a view of its own slice.
+attention layer gets a view of its own slice. On a GPU its size is what is left of
+`gpu_memory_utilization` after the weights and the activation peak of a profiling forward at
+the largest step (`max_num_batched_tokens` tokens); pure-decode steps then replay CUDA graphs.
+Step inputs are built as Python lists, put in pinned host memory and copied without blocking.
 """
 from dataclasses import dataclass, field
 
@@ -15,6 +18,7 @@ import torch
 
 from nanoinfer.attention import AttentionMetadata, get_attn_backend, set_forward_context
 from nanoinfer.config import Config
+from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention
@@ -51,30 +55,67 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.sampler = Sampler()
-        self.attn_backend = get_attn_backend("torch")
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        backend = get_attn_backend(config.attention_backend)
+        for layer in self.attn_layers:
+            layer.backend = backend
         self.allocate_kv_cache()
+        self.graph_runner = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graph_runner = CUDAGraphRunner(
+                self.model, min(config.max_num_seqs, 512), -(-config.max_model_len // self.block_size),
+                hf_config.hidden_size, self.dtype, self.device)
 
     def allocate_kv_cache(self) -> None:
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        num_kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
-        block_bytes = 2 * len(layers) * self.block_size * num_kv_heads * head_dim * self.dtype.itemsize
+        num_kv_heads, head_dim = self.attn_layers[0].num_kv_heads, self.attn_layers[0].head_dim
+        shape = (len(self.attn_layers), self.block_size, num_kv_heads, head_dim)
+        block_bytes = 2 * shape[0] * shape[1] * shape[2] * shape[3] * self.dtype.itemsize
         if self.config.num_kvcache_blocks is not None:
             num_blocks = self.config.num_kvcache_blocks
         elif self.device.type == "cpu":
             num_blocks = int(self.config.cpu_kvcache_space_gb * 2**30) // block_bytes
         else:
-            free, total = torch.cuda.mem_get_info(self.device)
-            num_blocks = int(total * self.config.gpu_memory_utilization - (total - free)) // block_bytes
+            num_blocks = int(self.profile_free_memory()) // block_bytes
         if num_blocks * self.block_size < self.config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {max(num_blocks, 0) * self.block_size} tokens, fewer than max_model_len="
                 f"{self.config.max_model_len}: lower max_model_len or give the cache more memory")
         self.num_kvcache_blocks = num_blocks
-        self.kv_cache = torch.empty(2, len(layers), num_blocks, self.block_size, num_kv_heads, head_dim,
-                                    dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(layers):
+        self.kv_cache = torch.empty(2, shape[0], num_blocks, *shape[1:], dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            layer.backend = self.attn_backend
+
+    @torch.inference_mode()
+    def profile_free_memory(self) -> float:
+        """Bytes for the KV cache: run the largest step (without a real cache) and see what is left."""
+        num_tokens, max_len = self.config.max_num_batched_tokens, self.config.max_model_len - 1
+        lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+        cu_seqlens_q = torch.tensor([0] + lens, device=self.device).cumsum(0).to(torch.int32)
+        meta = AttentionMetadata(   # every key read from one dummy block, nothing written
+            cu_seqlens_q=cu_seqlens_q, context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros(len(lens), -(-max(lens) // self.block_size), dtype=torch.int32,
+                                     device=self.device),
+            max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+        dummy = torch.zeros(1, self.block_size, self.attn_layers[0].num_kv_heads, self.attn_layers[0].head_dim,
+                            dtype=self.dtype, device=self.device)
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = dummy
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        with set_forward_context(meta):
+            hidden_states = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions)
+        rows = min(self.config.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden_states[:rows]).float()
+        self.sampler(logits, SamplingMetadata(torch.ones(rows, device=self.device), None,
+                                              torch.full((rows,), 0.9, device=self.device), None, {}, False, None))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del hidden_states, logits
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total * self.config.gpu_memory_utilization - (total - free) - peak
 
     def prepare_inputs(self, sched: SchedulerOutput):
         bs = self.block_size
@@ -95,8 +136,10 @@ class ModelRunner:
         max_blocks = max(len(seq.block_table) for seq in sched.seqs)
         block_tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq in sched.seqs]
 
+        pin = self.device.type == "cuda"
+
         def tensor(data, dtype):
-            return torch.tensor(data, dtype=dtype, device=self.device)
+            return torch.tensor(data, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
         meta = AttentionMetadata(
             cu_seqlens_q=tensor(cu_seqlens_q, torch.int32), context_lens=tensor(context_lens, torch.int32),
             slot_mapping=tensor(slot_mapping, torch.int64), block_tables=tensor(block_tables, torch.int32),
@@ -135,8 +178,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         input_ids, positions, meta, logits_indices, seqs = self.prepare_inputs(sched)
-        with set_forward_context(meta):
-            hidden_states = self.model(input_ids, positions)
+        if self.graph_runner is not None and self.graph_runner.can_run(meta, len(input_ids)):
+            hidden_states = self.graph_runner.run(input_ids, positions, meta)
+        else:
+            with set_forward_context(meta):
+                hidden_states = self.model(input_ids, positions)
         out = ModelRunnerOutput()
         if not seqs:
             return out

@@ -1,0 +1,63 @@
+"""CUDA graphs for pure-decode steps.
+
+A decode step of a small model is hundreds of tiny kernel launches; launched one by one from
+Python, the GPU would wait on the CPU. A CUDA graph records the whole forward once and replays
+it with one launch. A graph has fixed shapes and fixed addresses, so:
+- forwards are captured for a ladder of batch sizes (1, 2, 4, 8, then every 16 up to the
+  largest), largest first, all sharing one memory pool;
+- every input lives in a static buffer, copied in before each replay; a batch of n runs the
+  smallest graph of at least n, and the padding rows write nowhere (slot -1) and attend to
+  nothing (context length 0);
+- the block-table buffer is as wide as the longest sequence (max_model_len) can need.
+"""
+import torch
+
+from nanoinfer.attention import AttentionMetadata, set_forward_context
+
+
+class CUDAGraphRunner:
+
+    def __init__(self, model: torch.nn.Module, max_batch_size: int, max_blocks_per_seq: int, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.batch_sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_batch_size + 1, 16), max_batch_size]
+                                   if b <= max_batch_size})
+        n = self.batch_sizes[-1]
+        zeros = lambda *shape, dtype=torch.int32: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+        self.input_ids, self.positions = zeros(n, dtype=torch.int64), zeros(n, dtype=torch.int64)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.context_lens, self.block_tables = zeros(n), zeros(n, max_blocks_per_seq)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.hidden_states = zeros(n, hidden_size, dtype=dtype)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        pool = None
+        for bs in reversed(self.batch_sizes):
+            meta = self.metadata(bs)
+            with set_forward_context(meta):
+                self.hidden_states[:bs] = model(self.input_ids[:bs], self.positions[:bs])   # warm-up, compiles
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.hidden_states[:bs] = model(self.input_ids[:bs], self.positions[:bs])
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def metadata(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q[:bs + 1], context_lens=self.context_lens[:bs],
+                                 slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
+                                 max_seqlen_q=1, max_seqlen_k=self.block_tables.shape[1])
+
+    def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        return meta.max_seqlen_q == 1 and num_tokens <= self.batch_sizes[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = input_ids.shape[0]
+        bs = next(b for b in self.batch_sizes if b >= n)
+        self.input_ids[:n] = input_ids
+        self.positions[:n] = positions
+        self.slot_mapping[:n] = meta.slot_mapping
+        self.slot_mapping[n:bs] = -1
+        self.context_lens[:n] = meta.context_lens
+        self.context_lens[n:bs] = 0
+        self.block_tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
+        self.graphs[bs].replay()
+        return self.hidden_states[:n]

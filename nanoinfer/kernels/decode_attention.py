@@ -1,0 +1,117 @@
+"""Paged decode attention with split-KV (flash-decoding).
+
+Decode has one query token per sequence, so the work is reading each sequence's whole K/V
+context once: it is bound by memory bandwidth. One program handles one (sequence, kv head,
+split): it loads the kv head's whole query group at once (GQA: the group's q heads share every
+K/V tile they load) and streams its share of the context, `BLOCK_N` keys at a time gathered
+through the block table, keeping an online softmax (running max `m`, sum `l`, output `acc`).
+
+With few sequences (batch 1, say) there would be too few programs to keep 132 SMs busy, so the
+context is split into `num_splits` slices processed in parallel; each writes a partial output
+and its log-sum-exp, and a second small kernel combines them:
+    out = sum_s exp(lse_s - max lse) * out_s / sum_s exp(lse_s - max lse).
+Everything is in base 2 (exp2/log2) with the softmax scale folded into log2(e).
+"""
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs get exact products (not TF32): float32 runs are the ones checked for exactness."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                            partial_ptr, lse_ptr, scale_log2, q_stride, bt_stride,
+                            NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                            PRECISION: tl.constexpr):
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    pages_per_split = tl.cdiv(tl.cdiv(context_len, PAGE), NUM_SPLITS)
+    start = split * pages_per_split * PAGE
+    end = tl.minimum(start + pages_per_split * PAGE, context_len)
+
+    offs_h, offs_d, offs_n = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
+    head = kv_head * GROUP + offs_h
+    h_mask, d_mask = offs_h < GROUP, offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * q_stride + head[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        valid = pos < end
+        page = tl.load(block_tables_ptr + seq * bt_stride + pos // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + pos % PAGE
+        kv_offs = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l = l * alpha + tl.sum(p, 1)
+        m = m_new
+
+    row = (seq * NUM_KV_HEADS * GROUP + head) * NUM_SPLITS + split
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]   # an empty split writes zeros with lse -inf
+    tl.store(partial_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(lse_ptr + row, m + tl.log2(l), mask=h_mask)
+
+
+@triton.jit
+def decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, out_stride, NUM_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    s_mask, d_mask = offs_s < NUM_SPLITS, offs_d < HEAD_DIM
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    lse = tl.load(lse_ptr + row, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    partial = tl.load(partial_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * out_stride + head * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Enough (sequence, kv head, split) programs for about two waves over the SMs."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return max(1, min(16, triton.cdiv(2 * num_sms, num_seqs * num_kv_heads)))
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """query: [seqs, heads, head_dim], one token per sequence -> output of the same shape."""
+    num_seqs, num_heads, head_dim = query.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, query.device)
+    partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+    lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    block_d = triton.next_power_of_2(head_dim)
+    decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, context_lens, partial, lse, scale * LOG2E,
+        query.stride(0), block_tables.stride(0), NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+        PAGE=page, NUM_SPLITS=num_splits, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_N=64, PRECISION=dot_precision(query.dtype), num_warps=4, num_stages=2)
+    out = torch.empty_like(query)
+    decode_reduce_kernel[(num_seqs, num_heads)](
+        partial, lse, out, out.stride(0), NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+    return out

@@ -1,0 +1,66 @@
+"""GPU tests (run on a CUDA machine: `python -m pytest -q -m gpu`): the Triton kernels in
+bfloat16 at real model shapes, and the whole engine, with and without CUDA graphs."""
+import random
+
+import pytest
+import torch
+
+from conftest import hf_greedy, random_prompts
+from nanoinfer import LLM, SamplingParams
+from test_kernels import make_step, reference, rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("num_seqs, max_len", [(64, 2048), (2, 8192)])
+def test_decode_kernel_bf16(shape, num_seqs, max_len):
+    from nanoinfer.kernels.decode_attention import decode_attention
+    rng = random.Random(num_seqs)
+    context_lens = [rng.randint(1, max_len) for _ in range(num_seqs)]
+    query, k_cache, v_cache, meta = make_step([1] * num_seqs, context_lens, *SHAPES[shape], torch.bfloat16)
+    out = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.088)
+    assert rel_err(out, reference(query, k_cache, v_cache, meta, 0.088)) < 2e-2
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill_kernel_bf16(shape):
+    from nanoinfer.kernels.prefill_attention import prefill_attention
+    query_lens, context_lens = [2048, 700, 1, 513, 1, 129], [2048, 1500, 900, 513, 77, 4000]
+    query, k_cache, v_cache, meta = make_step(query_lens, context_lens, *SHAPES[shape], torch.bfloat16)
+    out = prefill_attention(query, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                            meta.max_seqlen_q, 0.088)
+    assert rel_err(out, reference(query, k_cache, v_cache, meta, 0.088)) < 2e-2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_engine_matches_transformers_on_gpu(model_dirs, family, enforce_eager):
+    """float32 on the GPU, Triton attention, CUDA graphs or not, prefix hits and chunked prefill."""
+    prompts = random_prompts([3, 17, 40, 64, 100], seed=31, prefix=random_prompts([16], seed=32)[0])
+    llm = LLM(model_dirs[family], dtype="float32", enforce_eager=enforce_eager, max_num_batched_tokens=64,
+              max_model_len=256)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert outs == [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in prompts]
+
+
+@pytest.mark.parametrize("num_seqs", [5, 8, 33])
+def test_cuda_graph_decode_equals_eager(llama_dir, num_seqs):
+    prompts = random_prompts([random.Random(i).randint(1, 90) for i in range(num_seqs)], seed=33)
+    runs = [LLM(llama_dir, dtype="float32", enforce_eager=eager, max_model_len=256).generate(
+        prompts, GREEDY, use_tqdm=False) for eager in (True, False)]
+    assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
+
+
+def test_graphs_are_used_for_decode(llama_dir):
+    llm = LLM(llama_dir, max_model_len=256)
+    runner = llm.llm_engine.model_runner
+    assert runner.graph_runner is not None and 1 in runner.graph_runner.graphs
+    replays = []
+    run = runner.graph_runner.run
+    runner.graph_runner.run = lambda *a: replays.append(1) or run(*a)
+    llm.generate(random_prompts([10, 20]), GREEDY, use_tqdm=False)
+    assert len(replays) == GREEDY.max_tokens - 1

@@ -1,0 +1,110 @@
+"""The Triton kernels against the torch reference backend.
+
+On the CPU they run under the Triton interpreter (conftest sets TRITON_INTERPRET=1) on small
+shapes, in float32 and float16 (the interpreter's bfloat16 dot is wrong); on a GPU the `gpu`
+tests run them in bfloat16 at real model shapes.
+"""
+import random
+
+import pytest
+import torch
+
+from nanoinfer.attention import AttentionMetadata
+from nanoinfer.attention.torch_backend import TorchAttentionBackend
+
+PAGE = 16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim, dtype, device=DEVICE, seed=0):
+    """Random caches and a step of sequences with these query and context lengths, their blocks
+    scattered over the cache (and a few blocks shared, as prefix hits would be)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    pages = [-(-c // PAGE) for c in context_lens]
+    num_blocks = sum(pages) + 8
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables = [[ids.pop() for _ in range(n)] for n in pages]
+    if len(tables) > 2 and tables[1] and tables[2]:
+        tables[2][0] = tables[1][0]   # one block in two tables, as after a prefix-cache hit
+    width = max(pages)
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    shape = (num_blocks, PAGE, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=dtype, device=device)
+    v_cache = torch.randn(shape, dtype=dtype, device=device)
+    cu = [0]
+    for q in query_lens:
+        cu.append(cu[-1] + q)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device), block_tables=block_tables,
+        max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens))
+    query = torch.randn(cu[-1], num_heads, head_dim, dtype=dtype, device=device)
+    return query, k_cache, v_cache, meta
+
+
+def reference(query, k_cache, v_cache, meta, scale):
+    up = lambda t: t.double()   # noqa: E731
+    return TorchAttentionBackend.forward(up(query), up(k_cache), up(v_cache), meta, scale)
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_store_kv(dtype, group):
+    from nanoinfer.kernels.store_kv import store_kv
+    num_kv_heads, head_dim, tokens = 2, 32, 21
+    k_cache = torch.zeros(6, PAGE, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(tokens, (group + 2) * num_kv_heads * head_dim, dtype=dtype, device=DEVICE)
+    _, k, v = qkv.split([group * num_kv_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    k, v = k.view(tokens, num_kv_heads, head_dim), v.view(tokens, num_kv_heads, head_dim)   # strided views
+    slots = torch.randperm(6 * PAGE, device=DEVICE)[:tokens]
+    slots[3] = slots[10] = -1
+    store_kv(k, v, k_cache, v_cache, slots)
+    expected_k, expected_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    TorchAttentionBackend.store_kv(k, v, expected_k, expected_v, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention(dtype, group, num_splits):
+    from nanoinfer.kernels.decode_attention import decode_attention
+    context_lens = [1, 17, 100, 33, 64]   # odd lengths, partial last blocks, an exact multiple
+    query, k_cache, v_cache, meta = make_step([1] * 5, context_lens, 2 * group, 2, 64, dtype)
+    out = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125, num_splits)
+    assert rel_err(out, reference(query, k_cache, v_cache, meta, 0.125)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_prefill_attention(dtype, group):
+    from nanoinfer.kernels.prefill_attention import prefill_attention
+    # fresh prompts, a chunk after a cached prefix, decodes mixed in, a 1-token prompt
+    query_lens, context_lens = [37, 20, 1, 16, 1, 5], [37, 53, 30, 48, 1, 5]
+    query, k_cache, v_cache, meta = make_step(query_lens, context_lens, 2 * group, 2, 64, dtype)
+    out = prefill_attention(query, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                            meta.max_seqlen_q, 0.125)
+    assert rel_err(out, reference(query, k_cache, v_cache, meta, 0.125)) < TOL[dtype]
+
+
+def test_head_dim_not_a_power_of_two():
+    from nanoinfer.kernels.decode_attention import decode_attention
+    from nanoinfer.kernels.prefill_attention import prefill_attention
+    query, k_cache, v_cache, meta = make_step([9, 1], [20, 7], 4, 2, 48, torch.float32)
+    out = prefill_attention(query, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                            meta.max_seqlen_q, 0.2)
+    assert rel_err(out, reference(query, k_cache, v_cache, meta, 0.2)) < 1e-4
+    query, k_cache, v_cache, meta = make_step([1, 1], [20, 7], 4, 2, 48, torch.float32)
+    out = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.2, 2)
+    assert rel_err(out, reference(query, k_cache, v_cache, meta, 0.2)) < 1e-4
