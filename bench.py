@@ -259,6 +259,9 @@ def main():
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
     if args.mode == "latency":
         kwargs["max_model_len"] = args.input_len + args.output_len
+    elif on_gpu:   # before the engine takes its share of the GPU memory
+        bandwidth, peak = measure_gpu_limits()
+        torch.cuda.empty_cache()
     llm = LLM(model, **kwargs)
     if args.mode == "latency":
         return latency(llm, args.input_len, args.output_len)
@@ -281,7 +284,6 @@ def main():
         cfg = llm.llm_engine.config.hf_config
         dtype_bytes = llm.llm_engine.config.torch_dtype.itemsize
         bytes_moved, flops = roofline(cfg, [len(p) for p in prompts], [p.max_tokens for p in params], dtype_bytes)
-        bandwidth, peak = measure_gpu_limits()
         bound = max(bytes_moved / bandwidth, flops / peak)
         print(f"roofline on {torch.cuda.get_device_name()}: {bytes_moved / 1e12:.2f} TB at {bandwidth / 1e12:.2f} TB/s "
               f"= {bytes_moved / bandwidth:.2f} s; {flops / 1e12:.0f} TFLOP at {peak / 1e12:.0f} TFLOP/s = "
