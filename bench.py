@@ -195,11 +195,11 @@ def kernels() -> None:
         q = torch.randn(num_seqs, heads, dim, dtype=torch.bfloat16, device=dev)
         kv_bytes = 2 * num_seqs * ctx * kv_heads * dim * 2
         ms = bench_ms(lambda: decode_attention(q, k_cache, v_cache, block_tables, context_lens, dim ** -0.5))
-        line = f"decode {num_seqs} x {ctx}: nanoinfer {kv_bytes / ms / 1e9:,.0f} GB/s ({kv_bytes / ms / 1e-3 / bandwidth:.0%} of copy)"
+        line = f"decode {num_seqs} x {ctx}: nanoinfer {kv_bytes / ms / 1e6:,.0f} GB/s ({kv_bytes / ms / 1e-3 / bandwidth:.0%} of copy)"
         k = torch.randn(num_seqs, kv_heads, ctx, dim, dtype=torch.bfloat16, device=dev)
         v = torch.randn_like(k)
         for name, t in torch_sdpa(q.unsqueeze(2), k, v, False):
-            line += f"; torch {name} " + (f"{kv_bytes / t / 1e9:,.0f} GB/s" if t else "n/a")
+            line += f"; torch {name} " + (f"{kv_bytes / t / 1e6:,.0f} GB/s" if t else "n/a")
         print(line)
         del k_cache, v_cache, k, v
 

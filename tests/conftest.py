@@ -104,12 +104,15 @@ _hf_models = {}
 def hf_greedy(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate, EOS ignored: the reference output."""
     if model_dir not in _hf_models:
-        _hf_models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model = _hf_models[model_dir]
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None   # some versions fall back to it: never stop early
+        _hf_models[model_dir] = model
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_token_ids]), generation_config=config)
-    return out[0, len(prompt_token_ids):].tolist()
+        out = _hf_models[model_dir].generate(torch.tensor([prompt_token_ids]), generation_config=config)
+    output = out[0, len(prompt_token_ids):].tolist()
+    assert len(output) == max_new_tokens, "the reference stopped early"
+    return output
 
 
 def hf_logits(model_dir: str, token_ids: list[int]) -> torch.Tensor:

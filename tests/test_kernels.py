@@ -108,3 +108,54 @@ def test_head_dim_not_a_power_of_two():
     query, k_cache, v_cache, meta = make_step([1, 1], [20, 7], 4, 2, 48, torch.float32)
     out = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.2, 2)
     assert rel_err(out, reference(query, k_cache, v_cache, meta, 0.2)) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, with_residual):
+    from nanoinfer.kernels.rms_norm import rms_norm
+    from nanoinfer.layers.layernorm import RMSNorm
+    norm = RMSNorm(96, eps=1e-5)
+    norm.weight.data.normal_()
+    x, residual = torch.randn(7, 96, dtype=dtype), torch.randn(7, 96, dtype=dtype)
+    norm = norm.to(dtype)
+    if with_residual:
+        expected, expected_residual = norm(x, residual.clone())
+        out, new_residual = rms_norm(x.to(DEVICE), norm.weight.to(DEVICE), 1e-5, residual.to(DEVICE))
+        assert torch.allclose(new_residual.cpu(), expected_residual)
+    else:
+        expected, out = norm(x), rms_norm(x.to(DEVICE), norm.weight.to(DEVICE), 1e-5)
+    assert rel_err(out.cpu(), expected.double()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim, qk_norm", [(64, False), (32, True), (48, False)])
+def test_rotary(dtype, head_dim, qk_norm):
+    from nanoinfer.kernels.rotary import rotary_embedding_
+    from nanoinfer.layers.layernorm import RMSNorm
+    from nanoinfer.layers.rotary_embedding import RotaryEmbedding
+    rope = RotaryEmbedding(head_dim, 128, 10000.0)
+    norms = (RMSNorm(head_dim, 1e-6).to(dtype), RMSNorm(head_dim, 1e-6).to(dtype)) if qk_norm else ()
+    for n in norms:
+        n.weight.data.normal_()
+    qkv = torch.randn(9, (4 + 2 * 2) * head_dim, dtype=dtype)
+    q, k, _ = qkv.split([4 * head_dim, 2 * head_dim, 2 * head_dim], -1)
+    q, k = q.view(9, 4, head_dim), k.view(9, 2, head_dim)    # strided views, as in the model
+    positions = torch.randint(0, 128, (9,))
+    expected_q, expected_k = rope(positions, q.clone(), k.clone(), *norms)
+    qkv_dev = qkv.to(DEVICE)
+    q_dev, k_dev, _ = qkv_dev.split([4 * head_dim, 2 * head_dim, 2 * head_dim], -1)
+    q_dev, k_dev = q_dev.view(9, 4, head_dim), k_dev.view(9, 2, head_dim)
+    weights = (norms[0].weight.to(DEVICE), norms[1].weight.to(DEVICE), 1e-6) if qk_norm else ()
+    rotary_embedding_(positions.to(DEVICE), q_dev, k_dev, rope.cos_cache.to(DEVICE), rope.sin_cache.to(DEVICE),
+                      *weights)
+    assert rel_err(q_dev.cpu(), expected_q.double()) < TOL[dtype]
+    assert rel_err(k_dev.cpu(), expected_k.double()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul(dtype):
+    from nanoinfer.kernels.activation import silu_and_mul
+    from nanoinfer.layers.activation import SiluAndMul
+    x = torch.randn(5, 2 * 1500, dtype=dtype)
+    assert rel_err(silu_and_mul(x.to(DEVICE)).cpu(), SiluAndMul()(x).double()) < TOL[dtype]

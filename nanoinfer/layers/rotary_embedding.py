@@ -8,6 +8,9 @@ any sequence, at any offset, can share one batch.
 Llama 3 ("rope_type": "llama3") stretches long wavelengths by `factor`, keeps short ones, and
 blends smoothly in between. The model config gives theta and the scaling either as
 transformers 4's `rope_theta` + `rope_scaling` or as transformers 5's `rope_parameters`.
+
+Qwen3 RMS-normalizes each query and key head just before the rotation; on a GPU the norm and
+the rotation of all heads of a token are one Triton kernel, in place (`kernels/rotary.py`).
 """
 import math
 
@@ -52,8 +55,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; q_norm/k_norm: per-head RMSNorms."""
+        if q.is_cuda:
+            from nanoinfer.kernels.rotary import rotary_embedding_
+            norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else ()
+            rotary_embedding_(positions, q, k, self.cos_cache, self.sin_cache, *norms)
+            return q, k
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

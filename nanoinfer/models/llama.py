@@ -46,9 +46,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
+        q, k = self.rotary_emb(positions, q, k, *norms)
         return self.o_proj(self.attn(q, k, v).flatten(1))
 
 
