@@ -14,6 +14,7 @@ Step inputs are built as Python lists, put in pinned host memory and copied with
 """
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from nanoinfer.attention import AttentionMetadata, get_attn_backend, set_forward_context
@@ -117,6 +118,14 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         return total * self.config.gpu_memory_utilization - (total - free) - peak
 
+    def to_device(self, data, dtype: type) -> torch.Tensor:
+        """A host list or array as a device tensor: through numpy (torch.tensor(list) costs about a
+        microsecond per element) and pinned memory, copied without blocking."""
+        tensor = torch.from_numpy(np.asarray(data, dtype=dtype))
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
     def prepare_inputs(self, sched: SchedulerOutput):
         bs = self.block_size
         input_ids, positions, slot_mapping, cu_seqlens_q, context_lens = [], [], [], [0], []
@@ -133,19 +142,16 @@ class ModelRunner:
             if end == seq.num_tokens:
                 logits_indices.append(cu_seqlens_q[-1] - 1)
                 sample_seqs.append(seq)
-        max_blocks = max(len(seq.block_table) for seq in sched.seqs)
-        block_tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq in sched.seqs]
-
-        pin = self.device.type == "cuda"
-
-        def tensor(data, dtype):
-            return torch.tensor(data, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
+        block_tables = np.full((len(sched.seqs), max(len(seq.block_table) for seq in sched.seqs)), -1, np.int32)
+        for row, seq in zip(block_tables, sched.seqs):
+            row[:len(seq.block_table)] = seq.block_table
+        tensor = self.to_device
         meta = AttentionMetadata(
-            cu_seqlens_q=tensor(cu_seqlens_q, torch.int32), context_lens=tensor(context_lens, torch.int32),
-            slot_mapping=tensor(slot_mapping, torch.int64), block_tables=tensor(block_tables, torch.int32),
+            cu_seqlens_q=tensor(cu_seqlens_q, np.int32), context_lens=tensor(context_lens, np.int32),
+            slot_mapping=tensor(slot_mapping, np.int64), block_tables=tensor(block_tables, np.int32),
             max_seqlen_q=max(sched.num_scheduled_tokens), max_seqlen_k=max(context_lens))
-        return (tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
-                tensor(logits_indices, torch.int64), sample_seqs)
+        return (tensor(input_ids, np.int64), tensor(positions, np.int64), meta,
+                tensor(logits_indices, np.int64), sample_seqs)
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         params = [seq.sampling_params for seq in seqs]
@@ -157,13 +163,13 @@ class ModelRunner:
                 generators[row] = seq.generator
 
         def column(values, dtype, neutral):
-            return None if all(v == neutral for v in values) else torch.tensor(values, dtype=dtype, device=self.device)
+            return None if all(v == neutral for v in values) else self.to_device(values, dtype)
         num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingMetadata(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
-            top_ks=column([p.top_k for p in params], torch.int64, 0),
-            top_ps=column([p.top_p for p in params], torch.float32, 1.0),
-            min_ps=column([p.min_p for p in params], torch.float32, 0.0),
+            temperatures=self.to_device([p.temperature for p in params], np.float32),
+            top_ks=column([p.top_k for p in params], np.int64, 0),
+            top_ps=column([p.top_p for p in params], np.float32, 1.0),
+            min_ps=column([p.min_p for p in params], np.float32, 0.0),
             generators=generators, all_greedy=all(p.greedy for p in params),
             max_num_logprobs=max(num_logprobs) if num_logprobs else None)
 
