@@ -41,7 +41,7 @@ def test_prefill_kernel_bf16(shape):
 def test_engine_matches_transformers_on_gpu(model_dirs, family, enforce_eager):
     """float32 on the GPU, Triton attention, CUDA graphs or not, prefix hits and chunked prefill."""
     prompts = random_prompts([3, 17, 40, 64, 100], seed=31, prefix=random_prompts([16], seed=32)[0])
-    llm = LLM(model_dirs[family], dtype="float32", enforce_eager=enforce_eager, max_num_batched_tokens=64,
+    llm = LLM(model_dirs[family], dtype="float32", enforce_eager=enforce_eager, max_num_batched_tokens=64, max_num_seqs=64,
               max_model_len=256)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert outs == [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in prompts]
@@ -50,13 +50,13 @@ def test_engine_matches_transformers_on_gpu(model_dirs, family, enforce_eager):
 @pytest.mark.parametrize("num_seqs", [5, 8, 33])
 def test_cuda_graph_decode_equals_eager(llama_dir, num_seqs):
     prompts = random_prompts([random.Random(i).randint(1, 90) for i in range(num_seqs)], seed=33)
-    runs = [LLM(llama_dir, dtype="float32", enforce_eager=eager, max_model_len=256).generate(
+    runs = [LLM(llama_dir, dtype="float32", enforce_eager=eager, max_model_len=256, max_num_seqs=64).generate(
         prompts, GREEDY, use_tqdm=False) for eager in (True, False)]
     assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
 
 
 def test_graphs_are_used_for_decode(llama_dir):
-    llm = LLM(llama_dir, max_model_len=256)
+    llm = LLM(llama_dir, max_model_len=256, max_num_seqs=64)
     runner = llm.llm_engine.model_runner
     assert runner.graph_runner is not None and 1 in runner.graph_runner.graphs
     replays = []

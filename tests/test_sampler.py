@@ -14,7 +14,8 @@ NEG_INF = float("-inf")
 def metadata(rows, temperature=1.0, top_k=None, top_p=None, min_p=None, generators=None, logprobs=None):
     return SamplingMetadata(
         temperatures=torch.full((rows,), temperature), top_ks=top_k, top_ps=top_p, min_ps=min_p,
-        generators=generators or {}, all_greedy=temperature == 0, max_num_logprobs=logprobs)
+        generators=generators or {}, all_greedy=temperature == 0, all_random=temperature > 0,
+        max_num_logprobs=logprobs)
 
 
 def test_greedy_is_argmax():

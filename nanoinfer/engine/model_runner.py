@@ -110,7 +110,8 @@ class ModelRunner:
         rows = min(self.config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden_states[:rows]).float()
         self.sampler(logits, SamplingMetadata(torch.ones(rows, device=self.device), None,
-                                              torch.full((rows,), 0.9, device=self.device), None, {}, False, None))
+                                              torch.full((rows,), 0.9, device=self.device), None, {}, False, True,
+                                              None))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del hidden_states, logits
@@ -132,11 +133,16 @@ class ModelRunner:
         logits_indices, sample_seqs = [], []
         for seq, num_new in zip(sched.seqs, sched.num_scheduled_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            for b in range(start // bs, (end - 1) // bs + 1):
-                base = seq.block_table[b] * bs - b * bs
-                slot_mapping.extend(range(base + max(start, b * bs), base + min(end, (b + 1) * bs)))
+            if num_new == 1:   # a decode: the common case, kept cheap
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slot_mapping.append(seq.block_table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                for b in range(start // bs, (end - 1) // bs + 1):
+                    base = seq.block_table[b] * bs - b * bs
+                    slot_mapping.extend(range(base + max(start, b * bs), base + min(end, (b + 1) * bs)))
             cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
             context_lens.append(end)
             if end == seq.num_tokens:
@@ -171,6 +177,7 @@ class ModelRunner:
             top_ps=column([p.top_p for p in params], np.float32, 1.0),
             min_ps=column([p.min_p for p in params], np.float32, 0.0),
             generators=generators, all_greedy=all(p.greedy for p in params),
+            all_random=not any(p.greedy for p in params),
             max_num_logprobs=max(num_logprobs) if num_logprobs else None)
 
     def block_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -192,7 +199,7 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if not seqs:
             return out
-        logits = self.model.compute_logits(hidden_states[logits_indices]).float()
+        logits = self.model.compute_logits(hidden_states[logits_indices])
         self.block_stop_tokens(logits, seqs)
         sampled = self.sampler(logits, self.prepare_sampling(seqs))
         token_ids = sampled.token_ids.tolist()

@@ -5,8 +5,9 @@ top-k / top-p / min-p masks, then a draw from the remaining distribution. Rows w
 temperature 0 take the argmax.
 
 The draw uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with
-probability p_i. It needs no sort or cumulative sum, and a seeded request draws its E from its
-own generator, so its output does not depend on which other requests share the batch.
+probability p_i. Taken in log space, argmax(logits / T - log E), it needs no softmax, sort or
+cumulative sum, and a seeded request draws its E from its own generator, so its output does
+not depend on which other requests share the batch.
 """
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ class SamplingMetadata:
     min_ps: torch.Tensor | None         # float32 [rows]; 0 = off
     generators: dict[int, torch.Generator]  # row -> private generator of a seeded request
     all_greedy: bool
+    all_random: bool                    # no row is greedy
     max_num_logprobs: int | None        # the most top-N logprobs any row asked for
 
 
@@ -58,24 +60,23 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks: torch.Tensor | None, t
 class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()
-        greedy = logits.argmax(dim=-1)
-        out = SamplerOutput(greedy)
+        need_argmax = not meta.all_random or meta.max_num_logprobs is not None
+        out = SamplerOutput(logits.argmax(dim=-1) if need_argmax else None)
         if meta.max_num_logprobs is not None:
-            logprobs = logits.log_softmax(dim=-1)
+            logprobs = logits.float().log_softmax(dim=-1)
             top = logprobs.topk(meta.max_num_logprobs, dim=-1)
-            out.logprob_token_ids = torch.cat([greedy.unsqueeze(1), top.indices], dim=1)
-            out.logprobs = torch.cat([logprobs.gather(1, greedy.unsqueeze(1)), top.values], dim=1)
+            out.logprob_token_ids = torch.cat([out.token_ids.unsqueeze(1), top.indices], dim=1)
+            out.logprobs = torch.cat([logprobs.gather(1, out.token_ids.unsqueeze(1)), top.values], dim=1)
         if meta.all_greedy:
             return out
-        temps = meta.temperatures.unsqueeze(1)
-        scaled = logits / torch.where(temps > 0, temps, 1.0)
-        probs = apply_top_k_top_p_min_p(scaled, meta.top_ks, meta.top_ps, meta.min_ps).softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        temps = meta.temperatures.unsqueeze(1)   # float32: the division also upcasts bf16 logits
+        scaled = apply_top_k_top_p_min_p(logits / torch.where(temps > 0, temps, 1.0), meta.top_ks, meta.top_ps,
+                                         meta.min_ps)
+        noise = torch.empty_like(scaled).exponential_()
         for row, generator in meta.generators.items():
             noise[row].exponential_(generator=generator)
-        sampled = probs.div_(noise).argmax(dim=-1)
-        out.token_ids = torch.where(meta.temperatures > 0, sampled, greedy)
+        sampled = scaled.sub_(noise.log_()).argmax(dim=-1)
+        out.token_ids = sampled if meta.all_random else torch.where(meta.temperatures > 0, sampled, out.token_ids)
         if out.logprobs is not None:   # the first column is the token actually chosen
             out.logprob_token_ids[:, 0] = out.token_ids
             out.logprobs[:, 0] = logprobs.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
