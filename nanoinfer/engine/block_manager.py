@@ -71,6 +71,8 @@ class BlockManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Give `seq` blocks for `num_new_tokens` more tokens, starting with the cached
         `computed_blocks` on first admission. All or nothing: False leaves everything as it was."""
+        if seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
+            return True   # fits in the blocks it has: most decode steps
         num_total = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         num_needed = -(-num_total // self.block_size) - len(seq.block_table) - len(computed_blocks)
         num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
