@@ -56,6 +56,9 @@ class Config:
                      "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not "
+                             "implemented yet; the layers are split-ready, the worker processes are not")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:

@@ -112,3 +112,10 @@ def test_chat_uses_the_template(llm):
                           GREEDY, use_tqdm=False)[0]
     assert reply.outputs[0].token_ids == direct.outputs[0].token_ids
     assert len(llm.chat([messages, messages], GREEDY, use_tqdm=False)) == 2
+
+
+def test_unsupported_engine_options(llama_dir):
+    with pytest.raises(ValueError, match="tensor parallelism is not implemented"):
+        LLM(llama_dir, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(llama_dir, load_format="pickle")
