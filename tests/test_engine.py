@@ -1,5 +1,6 @@
 """The engine under a random stream of requests: every accepted request finishes (or is
-aborted), outputs equal those of the same requests run alone, and no block leaks."""
+aborted), outputs (greedy, and seeded sampling) equal those of the same requests run alone,
+through preemptions and prefix hits, and no block leaks."""
 import random
 
 from conftest import random_prompts
@@ -14,8 +15,8 @@ def test_random_stream_with_aborts(llama_dir):
     requests = {}
     for i in range(30):
         prompt = (shared[:rng.choice([0, 16, 33])] + random_prompts([rng.randrange(1, 40)], seed=100 + i)[0])
-        requests[str(1000 + i)] = (prompt, SamplingParams(temperature=0, max_tokens=rng.randrange(1, 20),
-                                                          ignore_eos=True))
+        sampled = dict(temperature=0.8, seed=i) if i % 3 == 0 else dict(temperature=0)   # seeded: reproducible
+        requests[str(1000 + i)] = (prompt, SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=True, **sampled))
     pending, finished, aborted = list(requests), {}, set()
     while pending or engine.has_unfinished_requests():
         for _ in range(rng.randrange(0, 3)):
