@@ -14,8 +14,6 @@ The folder is written under a temporary name and renamed when complete, so an
 interrupted conversion never leaves a folder that looks finished.
 """
 
-from __future__ import annotations
-
 import glob
 import importlib.util
 import os

@@ -40,7 +40,7 @@ def make_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim, dtype
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
         slot_mapping=torch.empty(0, dtype=torch.int64, device=device), block_tables=block_tables,
-        max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens))
+        max_seqlen_q=max(query_lens))
     query = torch.randn(cu[-1], num_heads, head_dim, dtype=dtype, device=device)
     return query, k_cache, v_cache, meta
 

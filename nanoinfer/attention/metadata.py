@@ -21,8 +21,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor   # int32 [num_seqs]: keys per sequence, this step's included
     slot_mapping: torch.Tensor   # int64 [num_tokens]
     block_tables: torch.Tensor   # int32 [num_seqs, max_blocks_per_seq]
-    max_seqlen_q: int
-    max_seqlen_k: int
+    max_seqlen_q: int            # the most query tokens of any sequence (1: a pure-decode step)
 
 
 _forward_context: AttentionMetadata | None = None

@@ -44,7 +44,7 @@ class CUDAGraphRunner:
     def metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q[:bs + 1], context_lens=self.context_lens[:bs],
                                  slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
-                                 max_seqlen_q=1, max_seqlen_k=self.block_tables.shape[1])
+                                 max_seqlen_q=1)
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return meta.max_seqlen_q == 1 and num_tokens <= self.batch_sizes[-1]

@@ -97,7 +97,7 @@ class ModelRunner:
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
             block_tables=torch.zeros(len(lens), -(-max(lens) // self.block_size), dtype=torch.int32,
                                      device=self.device),
-            max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+            max_seqlen_q=max(lens))
         dummy = torch.zeros(1, self.block_size, self.attn_layers[0].num_kv_heads, self.attn_layers[0].head_dim,
                             dtype=self.dtype, device=self.device)
         for layer in self.attn_layers:
@@ -155,7 +155,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             cu_seqlens_q=tensor(cu_seqlens_q, np.int32), context_lens=tensor(context_lens, np.int32),
             slot_mapping=tensor(slot_mapping, np.int64), block_tables=tensor(block_tables, np.int32),
-            max_seqlen_q=max(sched.num_scheduled_tokens), max_seqlen_k=max(context_lens))
+            max_seqlen_q=max(sched.num_scheduled_tokens))
         return (tensor(input_ids, np.int64), tensor(positions, np.int64), meta,
                 tensor(logits_indices, np.int64), sample_seqs)
 
