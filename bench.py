@@ -10,8 +10,9 @@ Next to the result it prints the roofline for the same workload: the bytes that 
 (every weight once per decode step, every cached K/V entry once per token that attends to it)
 over the measured HBM bandwidth, and the FLOPs over the measured matmul peak.
 
-It also breaks a step down: scheduling, building the inputs, the model run (GPU timeline,
-CUDA events), and the bookkeeping after it, averaged over all steps.
+The workload runs three times (a cold prefix cache each time) and the median counts. It also
+breaks a step down: the host's phases (scheduling, building inputs, waiting for the sampled
+tokens, bookkeeping) and the GPU's busy time (CUDA events), averaged over all steps.
 
 Other modes: `--mode latency` (batch 1 and 8, fixed lengths: time to first token, time per
 output token, end-to-end; medians of several runs) and `--mode kernels` (the attention kernels
@@ -32,6 +33,7 @@ from collections import defaultdict
 import torch
 
 from nanoinfer import LLM, SamplingParams
+from nanoinfer.engine.model_runner import AsyncModelRunnerOutput
 
 QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
                   intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -84,19 +86,20 @@ def measure_gpu_limits() -> tuple[float, float]:
 
 
 class StepTimer:
-    """Wraps the engine's phases to time them: host phases with a clock, the model run with
-    CUDA events (its GPU timeline, launch gaps included)."""
+    """Wraps the engine's phases to time them: host phases with a clock, each step's GPU work
+    with CUDA events around its launches (async scheduling launches step N+1 before waiting
+    for step N, so the GPU idles only where the host falls behind)."""
 
     def __init__(self, engine, on_gpu: bool):
-        self.host, self.events, self.on_gpu = defaultdict(float), [], on_gpu
+        self.host, self.calls, self.events = defaultdict(float), defaultdict(int), []
         self.wrap(engine.scheduler, "schedule", "schedule")
-        self.wrap(engine.scheduler, "update_from_output", "update")
         self.wrap(engine.model_runner, "prepare_inputs", "prepare inputs")
         self.wrap(engine.model_runner, "prepare_sampling", "prepare sampling")
+        self.wrap(AsyncModelRunnerOutput, "get_output", "wait for tokens")
+        self.wrap(engine.scheduler, "update_from_output", "update")
         run = engine.model_runner.execute_model
 
         def execute_model(sched):
-            start = time.perf_counter()
             if on_gpu:
                 events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 events[0].record()
@@ -104,18 +107,9 @@ class StepTimer:
             if on_gpu:
                 events[1].record()
                 self.events.append(events)
-            self.host["execute_model (wall)"] += time.perf_counter() - start
             return out
         engine.model_runner.execute_model = execute_model
-        step = engine.step
-
-        def timed_step():
-            start = time.perf_counter()
-            out = step()
-            self.host["step (wall)"] += time.perf_counter() - start
-            self.host["steps"] += 1
-            return out
-        engine.step = timed_step
+        self.wrap(engine, "step", "step (wall)")
 
     def wrap(self, obj, name, label):
         fn = getattr(obj, name)
@@ -124,19 +118,20 @@ class StepTimer:
             start = time.perf_counter()
             out = fn(*args)
             self.host[label] += time.perf_counter() - start
+            self.calls[label] += 1
             return out
         setattr(obj, name, timed)
 
     def report(self) -> str:
-        steps = self.host.pop("steps")
-        lines = [f"step breakdown over {steps:.0f} steps (ms per step):"]
+        steps = self.calls["step (wall)"]
+        lines = [f"step breakdown over {steps} steps (ms per step):"]
         for label, total in self.host.items():
             lines.append(f"  {label:<22} {1e3 * total / steps:7.3f}")
         if self.events:
             torch.cuda.synchronize()
             gpu = sum(a.elapsed_time(b) for a, b in self.events) / steps
-            lines.append(f"  {'model run (GPU)':<22} {gpu:7.3f}")
-            lines.append(f"  {'host, outside it':<22} {1e3 * self.host['step (wall)'] / steps - gpu:7.3f}")
+            lines.append(f"  {'GPU busy':<22} {gpu:7.3f}")
+            lines.append(f"  {'GPU idle (wall - busy)':<22} {1e3 * self.host['step (wall)'] / steps - gpu:7.3f}")
         return "\n".join(lines)
 
 
@@ -230,11 +225,15 @@ def main():
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true", help="wait for each step's tokens")
+    parser.add_argument("--runs", type=int, default=None, help="timed runs of the workload (default: 3 on a GPU)")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     parser.add_argument("--mode", choices=["throughput", "latency", "kernels"], default="throughput")
     parser.add_argument("--input-len", type=int, default=512, help="latency mode: prompt length")
     parser.add_argument("--output-len", type=int, default=256, help="latency mode: output length")
     args = parser.parse_args()
+    if args.runs is None:
+        args.runs = 3 if torch.cuda.is_available() else 1
 
     on_gpu = torch.cuda.is_available()
     if args.mode == "kernels":
@@ -249,7 +248,8 @@ def main():
               "so it ends in about a minute. CPU numbers say nothing about GPU throughput.")
         args.num_seqs, args.max_input_len, args.max_output_len = 8, 256, 32
     kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp,
+                  enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
+                  tensor_parallel_size=args.tp,
                   max_model_len=args.max_input_len + args.max_output_len)
     model = args.model
     if model is None:
@@ -268,18 +268,23 @@ def main():
 
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
-    if on_gpu:
-        torch.cuda.synchronize()
-    timer = StepTimer(llm.llm_engine, on_gpu)
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    if on_gpu:
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
     output_tokens = sum(p.max_tokens for p in params)
     input_tokens = sum(len(p) for p in prompts)
-    print(f"{args.num_seqs} seqs, {input_tokens} input + {output_tokens} output tokens in {elapsed:.2f} s: "
-          f"{output_tokens / elapsed:,.0f} output tok/s, {(input_tokens + output_tokens) / elapsed:,.0f} total tok/s")
+    timer, times = StepTimer(llm.llm_engine, on_gpu), []
+    for run in range(args.runs):
+        llm.reset_prefix_cache()   # every run starts cold, as the first did
+        if on_gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        if on_gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        print(f"run {run + 1}: {output_tokens / times[-1]:,.0f} output tok/s")
+    elapsed = statistics.median(times)
+    print(f"{args.num_seqs} seqs, {input_tokens} input + {output_tokens} output tokens in {elapsed:.2f} s "
+          f"(median of {args.runs} runs): {output_tokens / elapsed:,.0f} output tok/s, "
+          f"{(input_tokens + output_tokens) / elapsed:,.0f} total tok/s")
     if on_gpu:
         cfg = llm.llm_engine.config.hf_config
         dtype_bytes = llm.llm_engine.config.torch_dtype.itemsize

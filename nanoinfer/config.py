@@ -27,6 +27,7 @@ class Config:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     enforce_eager: bool = False          # no CUDA graphs
+    async_scheduling: bool = True        # schedule step N+1 while step N runs
     dtype: str = "auto"                  # auto: float32 on CPU, the checkpoint's dtype on GPU
     device: str = "auto"                 # auto: cuda if available, else cpu
     attention_backend: str = "auto"      # auto: triton on cuda, torch on cpu

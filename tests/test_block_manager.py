@@ -43,6 +43,16 @@ def test_full_blocks_only_are_cached_and_hit():
     assert (bm.num_prefix_query_tokens, bm.num_prefix_hit_tokens) == (20, 8)
 
 
+def test_reset_prefix_cache_only_when_idle():
+    bm = BlockManager(8, BS)
+    seq = seq_of(range(10))
+    assert admit(bm, seq)
+    assert not bm.reset_prefix_cache() and len(bm.hash_to_block) == 2   # blocks in use: refused
+    bm.free(seq)
+    assert bm.reset_prefix_cache()
+    assert bm.get_computed_blocks(seq_of(range(10))) == [] and not bm.hash_to_block
+
+
 def test_prefix_must_match_from_the_start():
     bm = BlockManager(8, BS)
     admit(bm, seq_of(range(8)))

@@ -1,14 +1,18 @@
 """The engine under a random stream of requests: every accepted request finishes (or is
 aborted), outputs (greedy, and seeded sampling) equal those of the same requests run alone,
-through preemptions and prefix hits, and no block leaks."""
+through preemptions and prefix hits, and no block leaks; with async scheduling and without."""
 import random
+
+import pytest
 
 from conftest import random_prompts
 from nanoinfer import LLM, SamplingParams
 
 
-def test_random_stream_with_aborts(llama_dir):
-    llm = LLM(llama_dir, num_kvcache_blocks=12, max_model_len=160, max_num_batched_tokens=40, max_num_seqs=6)
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_random_stream_with_aborts(llama_dir, async_scheduling):
+    llm = LLM(llama_dir, num_kvcache_blocks=12, max_model_len=160, max_num_batched_tokens=40, max_num_seqs=6,
+              async_scheduling=async_scheduling)
     engine = llm.llm_engine
     rng = random.Random(0)
     shared = random_prompts([33], seed=13)[0]
@@ -38,3 +42,38 @@ def test_random_stream_with_aborts(llama_dir):
     for request_id, out in finished.items():
         prompt, params = requests[request_id]
         assert out.outputs[0].token_ids == alone.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_async_scheduling_matches_sync(llama_dir):
+    """With async scheduling a step is planned before the previous step's tokens are known, so a
+    sequence that stops on a token (stop ids, stop strings) has one more token in flight, which
+    is dropped: tokens, text, logprobs and stop reasons equal those of the engine that waits."""
+    prompts = random_prompts([5, 17, 30, 9, 12], seed=21)
+    sync, asynchronous = LLM(llama_dir, async_scheduling=False), LLM(llama_dir)
+    free = [o.outputs[0] for o in sync.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
+                                                                         ignore_eos=True), use_tqdm=False)]
+    params = [SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[free[0].token_ids[6]]),
+              SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[free[1].token_ids[3]], min_tokens=8),
+              SamplingParams(temperature=0, max_tokens=24, stop=[free[2].text[10:13]]),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=24, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=1)]
+    in_flight = []
+    schedule = asynchronous.llm_engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        in_flight.append(max((seq.num_output_placeholders for seq in out.seqs), default=0))
+        return out
+    asynchronous.llm_engine.scheduler.schedule = recording_schedule
+    expected = sync.generate(prompts, params, use_tqdm=False)
+    got = asynchronous.generate(prompts, params, use_tqdm=False)
+    assert max(in_flight) == 2   # a step was planned with the previous step's token still in flight
+    for a, b in zip(got, expected):
+        a, b = a.outputs[0], b.outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason,
+                                                                          b.stop_reason)
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for x, y in zip(a.logprobs or [], b.logprobs or []):   # batches differ: float rounding too
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+    assert [o.outputs[0].finish_reason for o in got[::2]] == ["stop", "stop", "length"]
+    assert len(got[1].outputs[0].token_ids) >= 8

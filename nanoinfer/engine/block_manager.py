@@ -102,10 +102,10 @@ class BlockManager:
         return block_id
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Hash the blocks of `seq` that became full of computed tokens."""
+        """Hash the blocks of `seq` that became full of computed tokens (placeholders aside)."""
         if not self.enable_prefix_caching:
             return
-        bs, num_full = self.block_size, seq.num_computed_tokens // self.block_size
+        bs, num_full = self.block_size, min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         first = num_full   # hashed blocks form a prefix of the table: walk back to its end
         while first > 0 and self.blocks[seq.block_table[first - 1]].block_hash is None:
             first -= 1
@@ -115,6 +115,15 @@ class BlockManager:
             block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             block.block_hash = hash_block(parent, block.token_ids)
             self.hash_to_block.setdefault(block.block_hash, block.block_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (a benchmark's fresh start); only while no block is in use."""
+        if self.num_free_blocks < len(self.blocks):
+            return False
+        self.hash_to_block.clear()
+        for block in self.blocks:
+            block.block_hash, block.token_ids = None, ()
+        return True
 
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):

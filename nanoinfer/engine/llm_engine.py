@@ -3,16 +3,22 @@
 `step()` is the heart of the engine:
     schedule -> run the model on the flattened batch -> sample -> append tokens and check stops
     -> detokenize the new tokens (and check stop strings) -> return what finished.
+With async scheduling (the default) the step's second half is done one step later: step N+1 is
+scheduled and launched while step N still runs on the GPU, and only then does the host wait for
+step N's tokens and process them. So the GPU never waits for the host's scheduling, input
+building and detokenizing, as long as those take less time than a step's kernels.
 Inputs are validated in `make_sequence` before anything is queued, so a bad request is
 rejected with a clear error and never disturbs the requests already running.
 """
+from collections import deque
+
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
-from nanoinfer.engine.model_runner import ModelRunner
-from nanoinfer.engine.scheduler import Scheduler
+from nanoinfer.engine.model_runner import AsyncModelRunnerOutput, ModelRunner
+from nanoinfer.engine.scheduler import Scheduler, SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.outputs import CompletionOutput, RequestOutput
 from nanoinfer.sampling_params import SamplingParams
@@ -30,6 +36,7 @@ class LLMEngine:
                                      config.enable_prefix_caching)
         self.scheduler = Scheduler(config, block_manager)
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self.in_flight: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()   # launched steps
         self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for progress bars
 
     def make_sequence(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -85,18 +92,24 @@ class LLMEngine:
         return None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(sched)
-        self.scheduler.update_from_output(sched, runner_output.sampled_token_ids)
+        if sched.seqs:
+            self.in_flight.append((sched, self.model_runner.execute_model(sched)))
         self.num_prefill_tokens = sum(n for n in sched.num_scheduled_tokens if n > 1)
         self.num_decode_tokens = sum(1 for n in sched.num_scheduled_tokens if n == 1)
         finished = []
-        for seq in sched.seqs:
-            if seq.seq_id not in runner_output.sampled_token_ids:
-                continue
+        # async scheduling keeps the step just launched in flight and finishes the one before
+        while len(self.in_flight) > (self.config.async_scheduling and bool(sched.seqs)):
+            finished += self.process_output(*self.in_flight.popleft())
+        return finished
+
+    def process_output(self, sched: SchedulerOutput, pending: AsyncModelRunnerOutput) -> list[RequestOutput]:
+        runner_output = pending.get_output()
+        finished = []
+        for seq in self.scheduler.update_from_output(sched, runner_output.sampled_token_ids):
             if seq.logprobs is not None:
                 seq.logprobs.append(runner_output.logprobs[seq.seq_id])
             detokenizer = self.detokenizers.get(seq.seq_id)

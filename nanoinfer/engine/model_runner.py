@@ -11,6 +11,9 @@ attention layer gets a view of its own slice. On a GPU its size is what is left 
 `gpu_memory_utilization` after the weights and the activation peak of a profiling forward at
 the largest step (`max_num_batched_tokens` tokens); pure-decode steps then replay CUDA graphs.
 Step inputs are built as Python lists, put in pinned host memory and copied without blocking.
+Nothing in `execute_model` waits for the GPU: the sampled tokens come back through an
+`AsyncModelRunnerOutput`, and a decode whose input token is still being sampled by the previous
+step (async scheduling) gathers it from that step's output on the device.
 """
 from dataclasses import dataclass, field
 
@@ -23,7 +26,7 @@ from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.scheduler import SchedulerOutput
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import Attention
-from nanoinfer.layers.sampler import Sampler, SamplingMetadata
+from nanoinfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanoinfer.models import MODEL_REGISTRY
 from nanoinfer.models.loader import init_dummy_weights, load_model
 
@@ -32,6 +35,37 @@ from nanoinfer.models.loader import init_dummy_weights, load_model
 class ModelRunnerOutput:
     sampled_token_ids: dict[int, int] = field(default_factory=dict)       # seq_id -> token
     logprobs: dict[int, dict[int, float]] = field(default_factory=dict)   # seq_id -> {token: logprob}
+
+
+class AsyncModelRunnerOutput:
+    """A launched step's sampled tokens on their way to the host: `get_output` waits for them."""
+
+    def __init__(self, seqs: list[Sequence], sampled: SamplerOutput | None = None):
+        self.seqs = seqs
+        self.tensors = []
+        if sampled is not None:   # copies queued behind the step's kernels; the host goes on
+            self.tensors = [t.to("cpu", non_blocking=True) for t in
+                            (sampled.token_ids, sampled.logprob_token_ids, sampled.logprobs) if t is not None]
+        self.copied = None
+        if sampled is not None and sampled.token_ids.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def get_output(self) -> ModelRunnerOutput:
+        out = ModelRunnerOutput()
+        if not self.seqs:
+            return out
+        if self.copied is not None:
+            self.copied.synchronize()
+        token_ids = self.tensors[0].tolist()
+        out.sampled_token_ids = {seq.seq_id: t for seq, t in zip(self.seqs, token_ids)}
+        if len(self.tensors) > 1:
+            ids, lps = self.tensors[1].tolist(), self.tensors[2].tolist()
+            for row, seq in enumerate(self.seqs):
+                n = seq.sampling_params.logprobs
+                if n is not None:
+                    out.logprobs[seq.seq_id] = dict(zip(ids[row][:n + 1], lps[row][:n + 1]))
+        return out
 
 
 class ModelRunner:
@@ -61,6 +95,7 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.backend = backend
         self.allocate_kv_cache()
+        self.prev_sampled_token_ids, self.prev_rows = None, {}   # the last step's samples, still on the device
         self.graph_runner = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CUDAGraphRunner(
@@ -130,11 +165,16 @@ class ModelRunner:
     def prepare_inputs(self, sched: SchedulerOutput):
         bs = self.block_size
         input_ids, positions, slot_mapping, cu_seqlens_q, context_lens = [], [], [], [0], []
-        logits_indices, sample_seqs = [], []
-        for seq, num_new in zip(sched.seqs, sched.num_scheduled_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+        logits_indices, sample_seqs, placeholders = [], [], []
+        for seq, start, num_new, sample in zip(sched.seqs, sched.num_computed_tokens, sched.num_scheduled_tokens,
+                                               sched.do_sample):
+            end = start + num_new
             if num_new == 1:   # a decode: the common case, kept cheap
-                input_ids.append(seq.token_ids[start])
+                if start < seq.num_tokens:
+                    input_ids.append(seq.token_ids[start])
+                else:   # the token the previous step is sampling: taken on the device
+                    placeholders.append((len(input_ids), self.prev_rows[seq.seq_id]))
+                    input_ids.append(0)
                 positions.append(start)
                 slot_mapping.append(seq.block_table[start // bs] * bs + start % bs)
             else:
@@ -145,7 +185,7 @@ class ModelRunner:
                     slot_mapping.extend(range(base + max(start, b * bs), base + min(end, (b + 1) * bs)))
             cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
             context_lens.append(end)
-            if end == seq.num_tokens:
+            if sample:
                 logits_indices.append(cu_seqlens_q[-1] - 1)
                 sample_seqs.append(seq)
         block_tables = np.full((len(sched.seqs), max(len(seq.block_table) for seq in sched.seqs)), -1, np.int32)
@@ -156,8 +196,11 @@ class ModelRunner:
             cu_seqlens_q=tensor(cu_seqlens_q, np.int32), context_lens=tensor(context_lens, np.int32),
             slot_mapping=tensor(slot_mapping, np.int64), block_tables=tensor(block_tables, np.int32),
             max_seqlen_q=max(sched.num_scheduled_tokens))
-        return (tensor(input_ids, np.int64), tensor(positions, np.int64), meta,
-                tensor(logits_indices, np.int64), sample_seqs)
+        input_ids = tensor(input_ids, np.int64)
+        if placeholders:
+            index, rows = tensor(placeholders, np.int64).unbind(1)
+            input_ids[index] = self.prev_sampled_token_ids[rows]
+        return input_ids, tensor(positions, np.int64), meta, tensor(logits_indices, np.int64), sample_seqs
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         params = [seq.sampling_params for seq in seqs]
@@ -184,30 +227,25 @@ class ModelRunner:
         """Before min_tokens are out, EOS and stop_token_ids cannot be sampled."""
         for row, seq in enumerate(seqs):
             params = seq.sampling_params
-            if seq.num_output_tokens < params.min_tokens:
+            if seq.num_output_tokens + seq.num_output_placeholders - 1 < params.min_tokens:   # this token's index
                 blocked = params.stop_token_ids + ([] if params.ignore_eos else self.config.eos_token_ids)
                 logits[row, [t for t in blocked if t < logits.shape[1]]] = float("-inf")
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch the step and return without waiting for it: on a GPU the host can schedule the
+        next step while this one runs."""
         input_ids, positions, meta, logits_indices, seqs = self.prepare_inputs(sched)
         if self.graph_runner is not None and self.graph_runner.can_run(meta, len(input_ids)):
             hidden_states = self.graph_runner.run(input_ids, positions, meta)
         else:
             with set_forward_context(meta):
                 hidden_states = self.model(input_ids, positions)
-        out = ModelRunnerOutput()
         if not seqs:
-            return out
+            return AsyncModelRunnerOutput([])
         logits = self.model.compute_logits(hidden_states[logits_indices])
         self.block_stop_tokens(logits, seqs)
         sampled = self.sampler(logits, self.prepare_sampling(seqs))
-        token_ids = sampled.token_ids.tolist()
-        out.sampled_token_ids = {seq.seq_id: t for seq, t in zip(seqs, token_ids)}
-        if sampled.logprobs is not None:
-            ids, lps = sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist()
-            for row, seq in enumerate(seqs):
-                n = seq.sampling_params.logprobs
-                if n is not None:
-                    out.logprobs[seq.seq_id] = dict(zip(ids[row][:n + 1], lps[row][:n + 1]))
-        return out
+        self.prev_sampled_token_ids = sampled.token_ids
+        self.prev_rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
+        return AsyncModelRunnerOutput(seqs, sampled)

@@ -11,11 +11,17 @@ sequences. There is no separate prefill or decode phase: a sequence simply has
 2. Then waiting sequences in arrival order (FCFS), each starting from its longest cached prefix,
    while budget, sequence slots and blocks last. None are admitted in a step that preempted.
 
-`update_from_output` then advances each scheduled sequence, appends sampled tokens and applies
-the token-level stops (EOS, stop_token_ids, max_tokens, max_model_len).
+A scheduled sequence is advanced at once (`num_computed_tokens`), and one whose step reaches its
+last token gets an output placeholder: so the next step can be scheduled while this one still
+runs on the GPU (async scheduling), its decode reading the token this step samples. A sequence
+whose placeholders already reach max_tokens or max_model_len is not scheduled again.
+
+`update_from_output` then fills the placeholders with the sampled tokens and applies the
+token-level stops (EOS, stop_token_ids, max_tokens, max_model_len). A token sampled for a
+sequence that stopped (or was aborted) meanwhile is dropped.
 """
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
@@ -26,6 +32,8 @@ from nanoinfer.engine.sequence import Sequence, SequenceStatus
 class SchedulerOutput:
     seqs: list[Sequence]
     num_scheduled_tokens: list[int]
+    num_computed_tokens: list[int] = field(default_factory=list)   # each one's tokens already cached
+    do_sample: list[bool] = field(default_factory=list)            # does its step reach its last token
 
 
 class Scheduler:
@@ -54,7 +62,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self.reaches_length_limit(seq):
+                i += 1   # its last token is in flight: it finishes when that arrives
+                continue
+            num_new = min(seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -79,7 +90,20 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
+
+        for seq, num_new in zip(out.seqs, out.num_scheduled_tokens):
+            out.num_computed_tokens.append(seq.num_computed_tokens)
+            seq.num_computed_tokens += num_new
+            out.do_sample.append(seq.num_computed_tokens == seq.num_tokens + seq.num_output_placeholders)
+            seq.num_output_placeholders += out.do_sample[-1]
+            self.block_manager.cache_full_blocks(seq)
         return out
+
+    def reaches_length_limit(self, seq: Sequence) -> bool:
+        """Do the tokens in flight already take `seq` to max_tokens or max_model_len?"""
+        num_tokens = seq.num_tokens + seq.num_output_placeholders
+        return (num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
+                or num_tokens >= self.max_model_len)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -87,15 +111,19 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> None:
-        """Advance the scheduled sequences; `sampled` maps seq_id to its new token."""
-        for seq, num_new in zip(out.seqs, out.num_scheduled_tokens):
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Append each sampled token (`sampled` maps seq_id to it) and apply the token-level stops;
+        returns the sequences that got a token."""
+        updated = []
+        for seq in out.seqs:
             token_id = sampled.get(seq.seq_id)
             if token_id is None:
-                continue   # a prompt chunk that is not the last: nothing sampled yet
+                continue   # a prompt chunk that is not the last: nothing sampled
+            seq.num_output_placeholders -= 1
+            if seq.is_finished:
+                continue   # stopped or aborted while this step ran
             seq.append_token(token_id)
+            updated.append(seq)
             params = seq.sampling_params
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 self.finish(seq, "stop")
@@ -103,6 +131,7 @@ class Scheduler:
                 self.finish(seq, "stop", token_id)
             elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 self.finish(seq, "length")
+        return updated
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End `seq` (also used for stop strings and aborts) and free its blocks."""

@@ -5,6 +5,10 @@ in the paged KV cache. A step schedules `num_tokens - num_computed_tokens` more 
 once for a decode (one token) or in chunks for a long prompt. A sequence samples only when its
 step reaches its last token. Preemption resets `num_computed_tokens` to 0: prompt and output so far
 are computed again as one longer prompt, and the output is unchanged.
+
+With async scheduling the next step is scheduled before this step's token is known: that token
+is a placeholder (`num_output_placeholders`), counted in the length the scheduler plans with
+but not yet in `token_ids`.
 """
 from enum import Enum, auto
 from itertools import count
@@ -34,6 +38,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0      # prompt tokens found in the prefix cache at admission
+        self.num_output_placeholders = 0  # tokens being sampled by steps still in flight
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

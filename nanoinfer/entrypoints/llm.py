@@ -24,6 +24,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (and nothing done) while requests are running."""
+        return self.llm_engine.scheduler.block_manager.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
