@@ -64,3 +64,29 @@ def test_graphs_are_used_for_decode(llama_dir):
     runner.graph_runner.run = lambda *a: replays.append(1) or run(*a)
     llm.generate(random_prompts([10, 20]), GREEDY, use_tqdm=False)
     assert len(replays) == GREEDY.max_tokens - 1
+
+
+def test_sampling_kernel_at_real_vocab():
+    """bf16 logits over a 151,936-token vocabulary: greedy rows take a maximum, and random rows
+    follow softmax(logits / T)."""
+    from nanoinfer.kernels.sampling import gumbel_max_sample
+    logits = torch.randn(64, 151936, device="cuda").bfloat16()
+    out = gumbel_max_sample(logits, torch.zeros(64, device="cuda"), torch.arange(64, device="cuda"))
+    assert torch.equal(logits.gather(1, out.unsqueeze(1)).squeeze(1), logits.max(-1).values)
+    row = torch.randn(151936, device="cuda") * 4
+    rows = 4096
+    draws = gumbel_max_sample(row.bfloat16().expand(rows, -1), torch.full((rows,), 0.8, device="cuda"),
+                              torch.arange(rows, device="cuda") + 10**12)
+    probs = (row.bfloat16().float() / 0.8).softmax(-1)
+    top = probs.topk(5).indices
+    assert torch.allclose(torch.bincount(draws, minlength=151936)[top].float() / rows, probs[top], atol=0.03)
+
+
+def test_seeded_sampling_on_gpu(llama_dir):
+    llm = LLM(llama_dir, max_model_len=256, max_num_seqs=64)
+    prompts = random_prompts([9, 21, 14], seed=6)
+    seeded = SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(prompts[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    other = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    together = llm.generate(prompts, [seeded, other, other], use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == together

@@ -77,12 +77,14 @@ def test_store_kv(dtype, group):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [1, 2, 8])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention(dtype, group, num_splits):
+@pytest.mark.parametrize("num_splits, min_split_pages", [(1, 1), (3, 1), (8, 2)])
+def test_decode_attention(dtype, group, num_splits, min_split_pages):
+    """Split counts where the long contexts use every split and the short ones only some."""
     from nanoinfer.kernels.decode_attention import decode_attention
     context_lens = [1, 17, 100, 33, 64]   # odd lengths, partial last blocks, an exact multiple
     query, k_cache, v_cache, meta = make_step([1] * 5, context_lens, 2 * group, 2, 64, dtype)
-    out = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125, num_splits)
+    out = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125, num_splits,
+                           min_split_pages)
     assert rel_err(out, reference(query, k_cache, v_cache, meta, 0.125)) < TOL[dtype]
 
 
@@ -159,3 +161,23 @@ def test_silu_and_mul(dtype):
     from nanoinfer.layers.activation import SiluAndMul
     x = torch.randn(5, 2 * 1500, dtype=dtype)
     assert rel_err(silu_and_mul(x.to(DEVICE)).cpu(), SiluAndMul()(x).double()) < TOL[dtype]
+
+
+def test_gumbel_max_sampling_kernel():
+    """Greedy rows are the argmax (the vocabulary split over several programs); a row's draw
+    depends on its seed alone; draws follow softmax(logits / T)."""
+    from nanoinfer.kernels.sampling import gumbel_max_sample
+    logits = torch.randn(6, 3000, device=DEVICE)
+    temps = torch.tensor([0, 0.7, 0, 1.0, 0, 2.0], device=DEVICE)
+    seeds = torch.arange(6, device=DEVICE) * 1000
+    out = gumbel_max_sample(logits, temps, seeds, block=128)
+    assert torch.equal(out[::2], logits[::2].argmax(-1))
+    moved = gumbel_max_sample(logits.flip(0), temps.flip(0), seeds.flip(0), block=128)
+    assert torch.equal(moved.flip(0), out)
+
+    probs = torch.tensor([0.6, 0.3, 0.1, 0.0], device=DEVICE)
+    rows = 1500
+    draws = gumbel_max_sample(probs.log().expand(rows, 4), torch.full((rows,), 0.5, device=DEVICE),
+                              torch.arange(rows, device=DEVICE), block=16)
+    expected = probs ** 2 / (probs ** 2).sum()   # temperature 0.5 squares the probabilities
+    assert torch.allclose(torch.bincount(draws, minlength=4).float() / rows, expected, atol=0.04)

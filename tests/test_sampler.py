@@ -11,10 +11,10 @@ from nanoinfer.layers.sampler import Sampler, SamplingMetadata, apply_top_k_top_
 NEG_INF = float("-inf")
 
 
-def metadata(rows, temperature=1.0, top_k=None, top_p=None, min_p=None, generators=None, logprobs=None):
+def metadata(rows, temperature=1.0, top_k=None, top_p=None, min_p=None, seeds=None, logprobs=None):
     return SamplingMetadata(
         temperatures=torch.full((rows,), temperature), top_ks=top_k, top_ps=top_p, min_ps=min_p,
-        generators=generators or {}, all_greedy=temperature == 0, all_random=temperature > 0,
+        seeds=torch.arange(rows) if seeds is None else torch.tensor(seeds), all_greedy=temperature == 0,
         max_num_logprobs=logprobs)
 
 
@@ -53,12 +53,13 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(counts, probs, atol=0.02)
 
 
-def test_seeded_rows_do_not_depend_on_the_batch():
+def test_a_row_draw_depends_on_its_seed_alone():
     logits = torch.randn(3, 100)
-    generators = lambda: {1: torch.Generator().manual_seed(7)}
-    a = Sampler()(logits, metadata(3, generators=generators())).token_ids[1]
-    b = Sampler()(torch.cat([torch.randn(2, 100), logits[1:2]]), metadata(3, generators={2: generators()[1]}))
-    assert a == b.token_ids[2]
+    a = Sampler()(logits, metadata(3, seeds=[1, 7, 2])).token_ids
+    b = Sampler()(torch.cat([torch.randn(2, 100), logits[1:2]]), metadata(3, seeds=[5, 6, 7])).token_ids
+    assert a[1] == b[2]
+    draws = {Sampler()(logits[:1], metadata(1, seeds=[seed])).token_ids.item() for seed in range(20)}
+    assert len(draws) > 1   # other seeds, other draws
 
 
 def test_logprobs_are_of_raw_logits():

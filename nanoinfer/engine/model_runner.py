@@ -90,6 +90,7 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.sampler = Sampler()
+        self.rng = np.random.default_rng(config.seed)   # the seeds of unseeded requests' draws
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = get_attn_backend(config.attention_backend)
         for layer in self.attn_layers:
@@ -145,8 +146,8 @@ class ModelRunner:
         rows = min(self.config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden_states[:rows]).float()
         self.sampler(logits, SamplingMetadata(torch.ones(rows, device=self.device), None,
-                                              torch.full((rows,), 0.9, device=self.device), None, {}, False, True,
-                                              None))
+                                              torch.full((rows,), 0.9, device=self.device), None,
+                                              torch.zeros(rows, dtype=torch.int64, device=self.device), False, None))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del hidden_states, logits
@@ -204,12 +205,11 @@ class ModelRunner:
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         params = [seq.sampling_params for seq in seqs]
-        generators = {}
+        seeds = self.rng.integers(2**63, size=len(seqs))
         for row, seq in enumerate(seqs):
-            if seq.sampling_params.seed is not None and not seq.sampling_params.greedy:
-                if seq.generator is None:
-                    seq.generator = torch.Generator(self.device).manual_seed(seq.sampling_params.seed)
-                generators[row] = seq.generator
+            if seq.sampling_params.seed is not None:   # keyed by the token's index: the same draw in any batch
+                index = seq.num_output_tokens + seq.num_output_placeholders
+                seeds[row] = hash((seq.sampling_params.seed, index)) & (2**63 - 1)
 
         def column(values, dtype, neutral):
             return None if all(v == neutral for v in values) else self.to_device(values, dtype)
@@ -219,8 +219,7 @@ class ModelRunner:
             top_ks=column([p.top_k for p in params], np.int64, 0),
             top_ps=column([p.top_p for p in params], np.float32, 1.0),
             min_ps=column([p.min_p for p in params], np.float32, 0.0),
-            generators=generators, all_greedy=all(p.greedy for p in params),
-            all_random=not any(p.greedy for p in params),
+            seeds=self.to_device(seeds, np.int64), all_greedy=all(p.greedy for p in params),
             max_num_logprobs=max(num_logprobs) if num_logprobs else None)
 
     def block_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

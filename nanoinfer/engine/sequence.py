@@ -13,8 +13,6 @@ but not yet in `token_ids`.
 from enum import Enum, auto
 from itertools import count
 
-import torch
-
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -44,7 +42,6 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.output_text = ""
-        self.generator: torch.Generator | None = None  # set by the model runner for seeded requests
 
     @property
     def num_tokens(self) -> int:

@@ -6,10 +6,15 @@ split): it loads the kv head's whole query group at once (GQA: the group's q hea
 K/V tile they load) and streams its share of the context, `BLOCK_N` keys at a time gathered
 through the block table, keeping an online softmax (running max `m`, sum `l`, output `acc`).
 
-With few sequences (batch 1, say) there would be too few programs to keep 132 SMs busy, so the
-context is split into `num_splits` slices processed in parallel; each writes a partial output
-and its log-sum-exp, and a second small kernel combines them:
+Splitting the context keeps the GPU full and evenly loaded: with few sequences (batch 1, say)
+there would be too few programs for 132 SMs, and with many sequences of different lengths the
+programs of the longest would run on alone at the end. So each sequence's context is cut into
+`num_splits` slices of at least `min_split_pages` pages (short contexts use fewer slices); the
+slices run in parallel, each writing a partial output and its log-sum-exp, and a second small
+kernel combines them:
     out = sum_s exp(lse_s - max lse) * out_s / sum_s exp(lse_s - max lse).
+The split count is a plain argument, not a compile-time constant: one compiled kernel serves
+every batch size.
 Everything is in base 2 (exp2/log2) with the softmax scale folded into log2(e).
 """
 import torch
@@ -25,17 +30,23 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def split_range(context_len, split, num_splits, min_split_pages, PAGE: tl.constexpr):
+    """The keys [start, end) of one split, and how many splits the sequence uses."""
+    num_pages = tl.cdiv(context_len, PAGE)
+    split_pages = tl.maximum(tl.cdiv(num_pages, num_splits), min_split_pages)
+    start = split * split_pages * PAGE
+    return start, tl.minimum(start + split_pages * PAGE, context_len), tl.cdiv(num_pages, split_pages)
+
+
+@triton.jit(do_not_specialize=["num_splits", "min_split_pages"])
 def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                            partial_ptr, lse_ptr, scale_log2, q_stride, bt_stride,
+                            partial_ptr, lse_ptr, scale_log2, q_stride, bt_stride, num_splits, min_split_pages,
                             NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                            PRECISION: tl.constexpr):
+                            PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    pages_per_split = tl.cdiv(tl.cdiv(context_len, PAGE), NUM_SPLITS)
-    start = split * pages_per_split * PAGE
-    end = tl.minimum(start + pages_per_split * PAGE, context_len)
+    start, end, _ = split_range(context_len, split, num_splits, min_split_pages, PAGE)
 
     offs_h, offs_d, offs_n = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
     head = kv_head * GROUP + offs_h
@@ -64,38 +75,44 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
         l = l * alpha + tl.sum(p, 1)
         m = m_new
 
-    row = (seq * NUM_KV_HEADS * GROUP + head) * NUM_SPLITS + split
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]   # an empty split writes zeros with lse -inf
-    tl.store(partial_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=h_mask[:, None] & d_mask[None, :])
+    row = (seq * NUM_KV_HEADS * GROUP + head) * num_splits + split
+    h_mask = offs_h < tl.where(start < end, GROUP, 0)   # a split past the context writes nothing
+    tl.store(partial_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l[:, None],
+             mask=h_mask[:, None] & d_mask[None, :])
     tl.store(lse_ptr + row, m + tl.log2(l), mask=h_mask)
 
 
-@triton.jit
-def decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, out_stride, NUM_HEADS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+@triton.jit(do_not_specialize=["num_splits", "min_split_pages"])
+def decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, out_stride, num_splits, min_split_pages,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     seq, head = tl.program_id(0), tl.program_id(1)
+    _, _, used = split_range(tl.load(context_lens_ptr + seq), 0, num_splits, min_split_pages, PAGE)
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
-    s_mask, d_mask = offs_s < NUM_SPLITS, offs_d < HEAD_DIM
-    row = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    s_mask, d_mask = offs_s < used, offs_d < HEAD_DIM
+    row = (seq * NUM_HEADS + head) * num_splits + offs_s
     lse = tl.load(lse_ptr + row, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
     partial = tl.load(partial_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    total = tl.sum(weight, 0)
+    total = tl.sum(weight, 0)   # 0 for a padding row (context length 0): it gets zeros
     out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * out_stride + head * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Enough (sequence, kv head, split) programs for about two waves over the SMs."""
+    """Enough (sequence, kv head, split) programs for several waves over the SMs."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(16, triton.cdiv(2 * num_sms, num_seqs * num_kv_heads)))
+    return max(1, min(MAX_SPLITS, triton.cdiv(TARGET_WAVES * num_sms, num_seqs * num_kv_heads)))
+
+
+TARGET_WAVES, MAX_SPLITS, MIN_SPLIT_PAGES = 16, 32, 16
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
+                     context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+                     min_split_pages: int = MIN_SPLIT_PAGES, block_n: int = 64, num_stages: int = 2) -> torch.Tensor:
     """query: [seqs, heads, head_dim], one token per sequence -> output of the same shape."""
     num_seqs, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -107,11 +124,11 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     block_d = triton.next_power_of_2(head_dim)
     decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, context_lens, partial, lse, scale * LOG2E,
-        query.stride(0), block_tables.stride(0), NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
-        PAGE=page, NUM_SPLITS=num_splits, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=64, PRECISION=dot_precision(query.dtype), num_warps=4, num_stages=2)
+        query.stride(0), block_tables.stride(0), num_splits, min_split_pages, NUM_KV_HEADS=num_kv_heads,
+        GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=dot_precision(query.dtype), num_warps=4, num_stages=num_stages)
     out = torch.empty_like(query)
     decode_reduce_kernel[(num_seqs, num_heads)](
-        partial, lse, out, out.stride(0), NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+        partial, lse, out, context_lens, out.stride(0), num_splits, min_split_pages, NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
     return out

@@ -6,13 +6,17 @@ temperature 0 take the argmax.
 
 The draw uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with
 probability p_i. Taken in log space, argmax(logits / T - log E), it needs no softmax, sort or
-cumulative sum, and a seeded request draws its E from its own generator, so its output does
-not depend on which other requests share the batch.
+cumulative sum. Every row brings its own random seed (a seeded request's is derived from its
+seed and the token's index, so its output does not depend on which other requests share the
+batch). On a GPU the draw is one fused Triton kernel (`kernels/sampling.py`); on the CPU it is
+the same race in torch, one generator per row.
 """
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from nanoinfer.kernels.sampling import gumbel_max_sample
 
 
 @dataclass
@@ -21,9 +25,8 @@ class SamplingMetadata:
     top_ks: torch.Tensor | None         # int64 [rows]; 0 = off; None when no row uses it
     top_ps: torch.Tensor | None         # float32 [rows]; 1 = off
     min_ps: torch.Tensor | None         # float32 [rows]; 0 = off
-    generators: dict[int, torch.Generator]  # row -> private generator of a seeded request
+    seeds: torch.Tensor                 # int64 [rows]: each row's random draw depends on its seed alone
     all_greedy: bool
-    all_random: bool                    # no row is greedy
     max_num_logprobs: int | None        # the most top-N logprobs any row asked for
 
 
@@ -57,27 +60,34 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks: torch.Tensor | None, t
     return logits
 
 
+def exponential_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """The draw in torch (the CPU's path, and the GPU kernel's reference); T = 0 rows take the argmax."""
+    scaled = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
+    noise = torch.empty_like(scaled)
+    for row, seed in enumerate(seeds.tolist()):
+        noise[row].exponential_(generator=torch.Generator(logits.device).manual_seed(seed))
+    sampled = scaled.sub_(noise.log_()).argmax(dim=-1)
+    return torch.where(temperatures > 0, sampled, logits.argmax(dim=-1))
+
+
 class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        need_argmax = not meta.all_random or meta.max_num_logprobs is not None
-        out = SamplerOutput(logits.argmax(dim=-1) if need_argmax else None)
+        out = SamplerOutput(None)
         if meta.max_num_logprobs is not None:
             logprobs = logits.float().log_softmax(dim=-1)
             top = logprobs.topk(meta.max_num_logprobs, dim=-1)
+        if meta.all_greedy:
+            out.token_ids = logits.argmax(dim=-1)
+        else:
+            temps = meta.temperatures
+            if meta.top_ks is not None or meta.top_ps is not None or meta.min_ps is not None:
+                logits = apply_top_k_top_p_min_p(logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1),
+                                                 meta.top_ks, meta.top_ps, meta.min_ps)
+                temps = (temps > 0).float()   # already applied
+            draw = gumbel_max_sample if logits.is_cuda else exponential_race
+            out.token_ids = draw(logits, temps, meta.seeds)
+        if meta.max_num_logprobs is not None:   # the first column is the token actually chosen
             out.logprob_token_ids = torch.cat([out.token_ids.unsqueeze(1), top.indices], dim=1)
             out.logprobs = torch.cat([logprobs.gather(1, out.token_ids.unsqueeze(1)), top.values], dim=1)
-        if meta.all_greedy:
-            return out
-        temps = meta.temperatures.unsqueeze(1)   # float32: the division also upcasts bf16 logits
-        scaled = apply_top_k_top_p_min_p(logits / torch.where(temps > 0, temps, 1.0), meta.top_ks, meta.top_ps,
-                                         meta.min_ps)
-        noise = torch.empty_like(scaled).exponential_()
-        for row, generator in meta.generators.items():
-            noise[row].exponential_(generator=generator)
-        sampled = scaled.sub_(noise.log_()).argmax(dim=-1)
-        out.token_ids = sampled if meta.all_random else torch.where(meta.temperatures > 0, sampled, out.token_ids)
-        if out.logprobs is not None:   # the first column is the token actually chosen
-            out.logprob_token_ids[:, 0] = out.token_ids
-            out.logprobs[:, 0] = logprobs.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
         return out
