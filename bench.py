@@ -262,7 +262,9 @@ def main():
     elif on_gpu:   # before the engine takes its share of the GPU memory
         bandwidth, peak = measure_gpu_limits()
         torch.cuda.empty_cache()
+    start = time.perf_counter()
     llm = LLM(model, **kwargs)
+    print(f"engine start-up (weights, KV cache, CUDA graphs): {time.perf_counter() - start:.1f} s")
     if args.mode == "latency":
         return latency(llm, args.input_len, args.output_len)
 

@@ -77,7 +77,7 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
 
     row = (seq * NUM_KV_HEADS * GROUP + head) * num_splits + split
     h_mask = offs_h < tl.where(start < end, GROUP, 0)   # a split past the context writes nothing
-    tl.store(partial_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l[:, None],
+    tl.store(partial_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / tl.where(l > 0, l, 1.0)[:, None],
              mask=h_mask[:, None] & d_mask[None, :])
     tl.store(lse_ptr + row, m + tl.log2(l), mask=h_mask)
 
@@ -107,7 +107,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -
     return max(1, min(MAX_SPLITS, triton.cdiv(TARGET_WAVES * num_sms, num_seqs * num_kv_heads)))
 
 
-TARGET_WAVES, MAX_SPLITS, MIN_SPLIT_PAGES = 16, 32, 16
+TARGET_WAVES, MAX_SPLITS, MIN_SPLIT_PAGES = 16, 32, 32   # measured on an H200: docs/BENCHMARKS.md
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

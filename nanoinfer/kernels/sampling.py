@@ -4,8 +4,8 @@ The exponential race (see `layers/sampler.py`) in log space is the Gumbel-max tr
 u ~ U(0, 1), argmax(logits / T - log(-log u)) is a draw from softmax(logits / T). In torch that
 is five passes over a float32 copy of the [rows, vocab] logits (scale, draw, log, subtract,
 argmax); here each program reads its slice of one row once, draws its uniforms in registers
-(`tl.rand`: Philox, keyed by the row's seed and counted by the token index, so a row's draw
-depends on its seed alone) and keeps a running best. A row with T = 0 takes the plain argmax.
+(Philox, keyed by the row's seed and counted by the token index, so a row's draw depends
+on its seed alone) and keeps a running best. A row with T = 0 takes the plain argmax.
 
 The vocabulary is split over several programs per row so that a small batch still fills the
 GPU; each writes its best (value, index) and a last argmax over the splits picks the token.
@@ -29,8 +29,11 @@ def gumbel_max_kernel(logits_ptr, temperatures_ptr, seeds_ptr, best_ptr, best_id
         offs = off + tl.arange(0, BLOCK)
         mask = offs < vocab_size
         x = tl.load(logits_ptr + row * row_stride + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-        if temperature > 0:
-            x -= tl.log(-tl.log(tl.rand(seed, offs)))
+        if temperature > 0:   # one Philox call gives 32 random bits for each of 4 neighbouring tokens
+            r0, r1, r2, r3 = tl.randint4x(seed, off // 4 + tl.arange(0, BLOCK // 4))
+            bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK])
+            u = (bits >> 8).to(tl.float32) * (1.0 / (1 << 24))   # uniform on [0, 1) in steps of 2^-24
+            x -= tl.log(-tl.log(u))
         better = mask & (x > best)
         best = tl.where(better, x, best)
         best_idx = tl.where(better, offs, best_idx)
