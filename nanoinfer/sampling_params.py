@@ -8,7 +8,7 @@ class SamplingParams:
     top_p: float = 1.0            # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0                # keep the k most likely tokens; 0 or -1 keeps all
     min_p: float = 0.0            # drop tokens less likely than min_p times the most likely one
-    seed: int | None = None       # a private random generator: same seed, same output
+    seed: int | None = None       # private randomness: same seed, same output in any batch
     max_tokens: int = 16
     min_tokens: int = 0           # EOS and stop_token_ids are blocked until this many are out
     stop: list[str] = field(default_factory=list)
