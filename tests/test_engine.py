@@ -77,3 +77,16 @@ def test_async_scheduling_matches_sync(llama_dir):
             assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
     assert [o.outputs[0].finish_reason for o in got[::2]] == ["stop", "stop", "length"]
     assert len(got[1].outputs[0].token_ids) >= 8
+
+
+def test_block_completed_by_the_last_token_is_cached(llama_dir):
+    """A block whose last slot is filled by a token that was in flight is hashed when the token
+    arrives, even if its sequence never runs again: a follow-up hits it, as without async."""
+    prompt = random_prompts([30], seed=40)[0]
+    hits = []
+    for async_scheduling in (True, False):
+        llm = LLM(llama_dir, async_scheduling=async_scheduling)
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+        follow_up = prompt + out.outputs[0].token_ids + [5]
+        hits.append(llm.generate(follow_up, SamplingParams(max_tokens=1), use_tqdm=False)[0].num_cached_tokens)
+    assert hits == [32, 32]

@@ -123,6 +123,7 @@ class Scheduler:
             if seq.is_finished:
                 continue   # stopped or aborted while this step ran
             seq.append_token(token_id)
+            self.block_manager.cache_full_blocks(seq)   # the token may complete a computed block
             updated.append(seq)
             params = seq.sampling_params
             if not params.ignore_eos and token_id in self.eos_token_ids:
