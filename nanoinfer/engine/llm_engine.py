@@ -101,8 +101,9 @@ class LLMEngine:
         self.num_prefill_tokens = sum(n for n in sched.num_scheduled_tokens if n > 1)
         self.num_decode_tokens = sum(1 for n in sched.num_scheduled_tokens if n == 1)
         finished = []
-        # async scheduling keeps the step just launched in flight and finishes the one before
-        while len(self.in_flight) > (self.config.async_scheduling and bool(sched.seqs)):
+        # async scheduling leaves the step just launched in flight and finishes the one before
+        keep = 1 if self.config.async_scheduling and sched.seqs else 0
+        while len(self.in_flight) > keep:
             finished += self.process_output(*self.in_flight.popleft())
         return finished
 

@@ -41,26 +41,24 @@ class AsyncModelRunnerOutput:
     """A launched step's sampled tokens on their way to the host: `get_output` waits for them."""
 
     def __init__(self, seqs: list[Sequence], sampled: SamplerOutput | None = None):
-        self.seqs = seqs
-        self.tensors = []
+        self.seqs, self.sampled, self.copied = seqs, None, None
         if sampled is not None:   # copies queued behind the step's kernels; the host goes on
-            self.tensors = [t.to("cpu", non_blocking=True) for t in
-                            (sampled.token_ids, sampled.logprob_token_ids, sampled.logprobs) if t is not None]
-        self.copied = None
-        if sampled is not None and sampled.token_ids.is_cuda:
-            self.copied = torch.cuda.Event()
-            self.copied.record()
+            self.sampled = SamplerOutput(*(t if t is None else t.to("cpu", non_blocking=True)
+                                           for t in (sampled.token_ids, sampled.logprobs, sampled.logprob_token_ids)))
+            if sampled.token_ids.is_cuda:
+                self.copied = torch.cuda.Event()
+                self.copied.record()
 
     def get_output(self) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
-        if not self.seqs:
+        if self.sampled is None:
             return out
         if self.copied is not None:
             self.copied.synchronize()
-        token_ids = self.tensors[0].tolist()
+        token_ids = self.sampled.token_ids.tolist()
         out.sampled_token_ids = {seq.seq_id: t for seq, t in zip(self.seqs, token_ids)}
-        if len(self.tensors) > 1:
-            ids, lps = self.tensors[1].tolist(), self.tensors[2].tolist()
+        if self.sampled.logprobs is not None:
+            ids, lps = self.sampled.logprob_token_ids.tolist(), self.sampled.logprobs.tolist()
             for row, seq in enumerate(self.seqs):
                 n = seq.sampling_params.logprobs
                 if n is not None:
@@ -208,7 +206,7 @@ class ModelRunner:
         seeds = self.rng.integers(2**63, size=len(seqs))
         for row, seq in enumerate(seqs):
             if seq.sampling_params.seed is not None:   # keyed by the token's index: the same draw in any batch
-                index = seq.num_output_tokens + seq.num_output_placeholders
+                index = seq.num_tokens_with_placeholders - seq.num_prompt_tokens
                 seeds[row] = hash((seq.sampling_params.seed, index)) & (2**63 - 1)
 
         def column(values, dtype, neutral):
@@ -226,7 +224,7 @@ class ModelRunner:
         """Before min_tokens are out, EOS and stop_token_ids cannot be sampled."""
         for row, seq in enumerate(seqs):
             params = seq.sampling_params
-            if seq.num_output_tokens + seq.num_output_placeholders - 1 < params.min_tokens:   # this token's index
+            if seq.num_tokens_with_placeholders - seq.num_prompt_tokens - 1 < params.min_tokens:   # this token's index
                 blocked = params.stop_token_ids + ([] if params.ignore_eos else self.config.eos_token_ids)
                 logits[row, [t for t in blocked if t < logits.shape[1]]] = float("-inf")
 

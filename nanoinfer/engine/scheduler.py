@@ -65,7 +65,7 @@ class Scheduler:
             if self.reaches_length_limit(seq):
                 i += 1   # its last token is in flight: it finishes when that arrives
                 continue
-            num_new = min(seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens_with_placeholders - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -94,14 +94,14 @@ class Scheduler:
         for seq, num_new in zip(out.seqs, out.num_scheduled_tokens):
             out.num_computed_tokens.append(seq.num_computed_tokens)
             seq.num_computed_tokens += num_new
-            out.do_sample.append(seq.num_computed_tokens == seq.num_tokens + seq.num_output_placeholders)
+            out.do_sample.append(seq.num_computed_tokens == seq.num_tokens_with_placeholders)
             seq.num_output_placeholders += out.do_sample[-1]
             self.block_manager.cache_full_blocks(seq)
         return out
 
     def reaches_length_limit(self, seq: Sequence) -> bool:
         """Do the tokens in flight already take `seq` to max_tokens or max_model_len?"""
-        num_tokens = seq.num_tokens + seq.num_output_placeholders
+        num_tokens = seq.num_tokens_with_placeholders
         return (num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
                 or num_tokens >= self.max_model_len)
 

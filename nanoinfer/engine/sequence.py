@@ -48,6 +48,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_tokens_with_placeholders(self) -> int:
+        """The length the scheduler plans with: known tokens and those still being sampled."""
+        return len(self.token_ids) + self.num_output_placeholders
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
