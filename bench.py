@@ -24,6 +24,7 @@ minute, and says so; the roofline is only printed on a GPU.
 import argparse
 import json
 import os
+import pickle
 import random
 import statistics
 import tempfile
@@ -34,6 +35,7 @@ import torch
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.engine.model_runner import AsyncModelRunnerOutput
+from nanoinfer.sampling_params import RequestOutputKind
 
 QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
                   intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -92,23 +94,32 @@ class StepTimer:
 
     def __init__(self, engine, on_gpu: bool):
         self.host, self.calls, self.events = defaultdict(float), defaultdict(int), []
+        self.message = (0, 0)   # (sequences, pickled bytes) of the largest pure-decode step message
+        runner = engine.model_runner
         self.wrap(engine.scheduler, "schedule", "schedule")
-        self.wrap(engine.model_runner, "prepare_inputs", "prepare inputs")
-        self.wrap(engine.model_runner, "prepare_sampling", "prepare sampling")
+        self.wrap(runner.input_batch, "update", "apply step message")
+        self.wrap(runner.input_batch, "prepare_inputs", "prepare inputs")
+        self.wrap(runner.input_batch, "sampling_metadata", "prepare sampling")
         self.wrap(AsyncModelRunnerOutput, "get_output", "wait for tokens")
         self.wrap(engine.scheduler, "update_from_output", "update")
-        run = engine.model_runner.execute_model
+        self.wrap(engine.output_processor, "process_outputs", "outputs")
+        execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
 
-        def execute_model(sched):
+        def execute(sched):   # the GPU's share of a step: from its first launch to its last
             if on_gpu:
-                events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                events[0].record()
-            out = run(sched)
+                self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                self.events[-1][0].record()
+            num_seqs = len(sched.num_scheduled_tokens)
+            if num_seqs > self.message[0] and sched.total_num_scheduled_tokens == num_seqs:
+                self.message = (num_seqs, len(pickle.dumps(sched)))
+            return execute_model(sched)
+
+        def sample():
+            out = sample_tokens()
             if on_gpu:
-                events[1].record()
-                self.events.append(events)
+                self.events[-1][1].record()
             return out
-        engine.model_runner.execute_model = execute_model
+        runner.execute_model, runner.sample_tokens = execute, sample
         self.wrap(engine, "step", "step (wall)")
 
     def wrap(self, obj, name, label):
@@ -132,22 +143,25 @@ class StepTimer:
             gpu = sum(a.elapsed_time(b) for a, b in self.events) / steps
             lines.append(f"  {'GPU busy':<22} {gpu:7.3f}")
             lines.append(f"  {'GPU idle (wall - busy)':<22} {1e3 * self.host['step (wall)'] / steps - gpu:7.3f}")
+        lines.append(f"step message of a {self.message[0]}-sequence decode step: {self.message[1]:,} bytes pickled")
         return "\n".join(lines)
 
 
 def latency(llm: LLM, input_len: int, output_len: int, runs: int = 5) -> None:
+    """Streamed (DELTA) outputs: TTFT is when the first token reaches the caller, TPOT the time per
+    token after it."""
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     for batch in (1, 8):
         ttft, tpot, e2e = [], [], []
         for run in range(runs + 1):
             rng = random.Random(run)   # new prompts each run: no prefix-cache hits
-            for _ in range(batch):
-                engine.add_request([rng.randint(0, 10000) for _ in range(input_len)], params)
+            for i in range(batch):
+                engine.add_request(f"{batch}-{run}-{i}", [rng.randint(0, 10000) for _ in range(input_len)], params)
             start, first = time.perf_counter(), None
             while engine.has_unfinished_requests():
-                engine.step()
-                first = first or time.perf_counter() - start
+                if engine.step() and first is None:
+                    first = time.perf_counter() - start
             total = time.perf_counter() - start
             if run:   # the first run is a warm-up
                 ttft.append(first)

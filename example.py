@@ -8,7 +8,7 @@ from nanoinfer import LLM, SamplingParams
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
 
     llm = LLM(args.model, max_model_len=2048)
@@ -19,7 +19,8 @@ def main():
         "Explain in two sentences why the sky is blue.",
     ]
     conversations = [[{"role": "user", "content": q}] for q in questions]
-    params = SamplingParams(temperature=0.6, top_p=0.95, max_tokens=args.max_tokens, seed=0)
+    # greedy: a 135M model answers best without sampling noise (and its tokens equal transformers')
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for question, output in zip(questions, llm.chat(conversations, params)):
         print(f"\n>>> {question}\n{output.outputs[0].text.strip()}")
 

@@ -32,6 +32,7 @@ class Config:
     device: str = "auto"                 # auto: cuda if available, else cpu
     attention_backend: str = "auto"      # auto: triton on cuda, torch on cpu
     seed: int = 0
+    max_logprobs: int = 20               # the most top-N logprobs a request may ask for
     load_format: str = "auto"            # "dummy": random weights, only config.json is read
     skip_tokenizer_init: bool = False    # prompts are token ids, outputs carry no text
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -54,9 +55,14 @@ class Config:
         if self.max_model_len is None:
             self.max_model_len = model_len
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
-                     "tensor_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                     "tensor_parallel_size", "max_logprobs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (name != "max_logprobs"):
+                raise ValueError(f"{name} must be an integer >= {int(name != 'max_logprobs')}, got {value!r}")
+        if self.max_model_len > model_len and os.environ.get("NANOINFER_ALLOW_LONG_MAX_MODEL_LEN") != "1":
+            raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's context "
+                             f"(max_position_embeddings={model_len}): outputs past it are likely wrong. Set "
+                             "NANOINFER_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it anyway")
         if self.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not "
                              "implemented yet; the layers are split-ready, the worker processes are not")
@@ -66,6 +72,14 @@ class Config:
             raise ValueError(f"num_kvcache_blocks must be at least 1, got {self.num_kvcache_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def kv_cache_bytes_per_token(self) -> int:
+        """The keys and values of one token, in every layer."""
+        hf = self.hf_config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        return 2 * hf.num_hidden_layers * num_kv_heads * head_dim * self.torch_dtype.itemsize
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,5 +1,18 @@
-"""What a finished request returns (vLLM's RequestOutput / CompletionOutput)."""
+"""What a request returns (vLLM's RequestOutput, CompletionOutput and Logprob).
+
+A request with `SamplingParams(n=k)` has k completions, `outputs[0..k-1]`. Depending on its
+`output_kind` the engine returns an output every step with everything so far (CUMULATIVE), every
+step with only what is new (DELTA: the new tokens, text and logprobs), or once at the end
+(FINAL_ONLY).
+"""
 from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    logprob: float                    # of the raw model's distribution (before penalties, temperature, masks)
+    rank: int | None = None           # 1 = the most likely token
+    decoded_token: str | None = None  # the token's own text
 
 
 @dataclass
@@ -7,9 +20,21 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None           # "stop" (EOS, stop id or stop string), "length", "abort"
+    cumulative_logprob: float | None = None           # sum of the sampled tokens' logprobs (with logprobs=N)
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: the sampled one and the top N
+    finish_reason: str | None = None    # "stop" (EOS, stop id or stop string), "length", "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[dict[int, float]] | None = None   # per token: {token_id: logprob}, chosen + top-N
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float                 # time.time() when the request was added
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
 
 
 @dataclass
@@ -20,3 +45,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None

@@ -1,48 +1,90 @@
-"""How to sample one request's output, and when to stop it (the fields and defaults of vLLM)."""
+"""How to sample one request's output, and when to stop it (vLLM's fields, names and defaults).
+
+Every field is checked when the object is made, so a bad value is a ValueError that names the
+field, raised before any request is queued. The fields are keyword-only: `SamplingParams(0.5)` is
+an error rather than a temperature.
+"""
+import math
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 
-@dataclass
+class RequestOutputKind(IntEnum):
+    CUMULATIVE = 0   # each output of a request holds everything generated so far
+    DELTA = 1        # each output holds only what is new since the previous one (streaming)
+    FINAL_ONLY = 2   # one output, when the request finishes (what LLM.generate uses)
+
+
+@dataclass(kw_only=True)
 class SamplingParams:
+    n: int = 1                    # independent samples of the prompt, returned as one request's outputs
     temperature: float = 1.0      # 0 means greedy (argmax)
     top_p: float = 1.0            # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0                # keep the k most likely tokens; 0 or -1 keeps all
     min_p: float = 0.0            # drop tokens less likely than min_p times the most likely one
+    presence_penalty: float = 0.0     # subtracted once from the logit of each token the output has
+    frequency_penalty: float = 0.0    # subtracted from a token's logit once per time the output has it
+    repetition_penalty: float = 1.0   # tokens of prompt or output: positive logits / it, negative * it
     seed: int | None = None       # private randomness: same seed, same output in any batch
-    max_tokens: int = 16
-    min_tokens: int = 0           # EOS and stop_token_ids are blocked until this many are out
+    max_tokens: int | None = 16   # None: until the context (max_model_len) is full
+    min_tokens: int = 0           # EOS, stop_token_ids and stop strings are ignored until this many are out
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = None   # return the log-probabilities of the top-N tokens at each step
+    logprobs: int | None = None   # the log-probabilities of the sampled token and the top-N at each step
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop, tuple) or self.stop is None:
+            self.stop = list(self.stop or [])
+        if isinstance(self.stop_token_ids, tuple) or self.stop_token_ids is None:
+            self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
         checks = [
-            ("temperature", self.temperature >= 0, "must be >= 0"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be a non-negative integer or -1 (all)"),
-            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
-            ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            ("n", _integer(self.n) and self.n >= 1, "must be an integer >= 1"),
+            ("temperature", _real(self.temperature) and self.temperature >= 0, "must be a finite number >= 0"),
+            ("top_p", _real(self.top_p) and 0 < self.top_p <= 1, "must be a number in (0, 1]"),
+            ("top_k", _integer(self.top_k) and self.top_k >= 0, "must be an integer >= 0, or -1 (all)"),
+            ("min_p", _real(self.min_p) and 0 <= self.min_p <= 1, "must be a number in [0, 1]"),
+            ("presence_penalty", _real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "must be a number in [-2, 2]"),
+            ("frequency_penalty", _real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "must be a number in [-2, 2]"),
+            ("repetition_penalty", _real(self.repetition_penalty) and self.repetition_penalty > 0,
+             "must be a finite number > 0"),
+            ("seed", self.seed is None or (_integer(self.seed) and -2**63 <= self.seed < 2**63),
+             "must be None or a 64-bit integer"),
+            ("max_tokens", self.max_tokens is None or (_integer(self.max_tokens) and self.max_tokens >= 1),
+             "must be None or an integer >= 1"),
+            ("min_tokens", _integer(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or math.inf),
              f"must be an integer in [0, max_tokens={self.max_tokens}]"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "must be non-negative integers"),
-            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+            ("stop", isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+             "must be a string or a list of non-empty strings"),
+            ("stop_token_ids", isinstance(self.stop_token_ids, list)
+             and all(_integer(t) and t >= 0 for t in self.stop_token_ids), "must be a list of integers >= 0"),
+            ("logprobs", self.logprobs is None or (_integer(self.logprobs) and self.logprobs >= 0),
              "must be None or an integer >= 0"),
-            ("seed", self.seed is None or isinstance(self.seed, int), "must be None or an integer"),
-        ]
+            ("output_kind", self.output_kind in list(RequestOutputKind), "must be a RequestOutputKind"),
+        ] + [(name, isinstance(getattr(self, name), bool), "must be True or False")
+             for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")]
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

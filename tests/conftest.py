@@ -101,13 +101,14 @@ def copy_model(src: str, dst, **generation_config) -> str:
 _hf_models = {}
 
 
-def hf_greedy(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int, **generation) -> list[int]:
     """transformers' own greedy generate, EOS ignored: the reference output."""
     if model_dir not in _hf_models:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         model.generation_config.eos_token_id = None   # some versions fall back to it: never stop early
         _hf_models[model_dir] = model
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
+                              **generation)
     with torch.no_grad():
         out = _hf_models[model_dir].generate(torch.tensor([prompt_token_ids]), generation_config=config)
     output = out[0, len(prompt_token_ids):].tolist()

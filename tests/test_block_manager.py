@@ -1,21 +1,23 @@
 """The block manager: hash chain, prefix hits, reference counts, lazy LRU eviction, no leaks."""
+import itertools
 import random
 
-from nanoinfer.engine.block_manager import BlockManager, hash_block
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.engine.block_manager import BlockManager
+from nanoinfer.engine.sequence import Sequence, hash_block
 from nanoinfer.sampling_params import SamplingParams
 
 BS = 4
+seq_ids = itertools.count()
 
 
 def seq_of(token_ids):
-    return Sequence(list(token_ids), SamplingParams())
+    return Sequence(next(seq_ids), list(token_ids), SamplingParams(), max_tokens=16, block_size=BS)
 
 
 def admit(bm: BlockManager, seq: Sequence) -> bool:
     """What the scheduler does for a waiting sequence: reuse the cached prefix, compute the rest."""
     computed = bm.get_computed_blocks(seq)
-    if not bm.allocate_slots(seq, seq.num_tokens - len(computed) * BS, computed):
+    if bm.allocate_slots(seq, seq.num_tokens - len(computed) * BS, computed) is None:
         return False
     seq.num_computed_tokens = seq.num_tokens
     bm.cache_full_blocks(seq)
@@ -29,6 +31,16 @@ def test_hash_chains_parent():
     assert hash_block(a, [5, 6, 7, 8]) != hash_block(hash_block(None, [0, 2, 3, 4]), [5, 6, 7, 8])
 
 
+def test_a_sequence_hashes_each_block_once_as_it_fills():
+    seq = seq_of(range(9))
+    assert seq.block_hashes == [hash_block(None, [0, 1, 2, 3]), hash_block(seq.block_hashes[0], [4, 5, 6, 7])]
+    for token in (9, 10):
+        seq.append_token(token)
+    assert len(seq.block_hashes) == 2
+    seq.append_token(11)
+    assert seq.block_hashes[2] == hash_block(seq.block_hashes[1], [8, 9, 10, 11])
+
+
 def test_full_blocks_only_are_cached_and_hit():
     bm = BlockManager(8, BS)
     first = seq_of(range(10))              # 2 full blocks + a partial one
@@ -39,7 +51,6 @@ def test_full_blocks_only_are_cached_and_hit():
     assert admit(bm, second)
     assert second.block_table[:2] == first.block_table[:2]
     assert [bm.blocks[b].ref_count for b in first.block_table] == [2, 2, 1]
-    assert second.num_cached_tokens == 8
     assert (bm.num_prefix_query_tokens, bm.num_prefix_hit_tokens) == (20, 8)
 
 
@@ -119,3 +130,16 @@ def test_random_streams_leak_nothing():
     for seq in live:
         bm.free(seq)
     assert bm.num_free_blocks == 32 and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_only_the_scheduler_moves_num_computed_tokens():
+    bm = BlockManager(8, BS)
+    first = seq_of(range(10))
+    admit(bm, first)
+    second = seq_of(range(10))
+    computed = bm.get_computed_blocks(second)
+    assert bm.allocate_slots(second, 2, computed) == computed + [second.block_table[-1]]
+    assert second.num_computed_tokens == 0
+    second.num_computed_tokens = 10
+    bm.free(second)
+    assert second.num_computed_tokens == 10 and second.block_table == []

@@ -90,3 +90,29 @@ def test_seeded_sampling_on_gpu(llama_dir):
     other = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
     together = llm.generate(prompts, [seeded, other, other], use_tqdm=False)[0].outputs[0].token_ids
     assert alone == together
+
+
+def test_a_step_launches_without_waiting_for_the_gpu(llama_dir):
+    """execute_model and sample_tokens never synchronise with the GPU, also with min_tokens
+    blocking, penalties, seeds, top-k/top-p and logprobs: async scheduling depends on it."""
+    llm = LLM(llama_dir, max_model_len=256, max_num_seqs=64)
+    runner = llm.llm_engine.model_runner
+    execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
+
+    def strict(fn):
+        def run(*args):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
+    llm.generate(random_prompts([5]), GREEDY, use_tqdm=False)   # compiles the kernels first
+    runner.execute_model, runner.sample_tokens = strict(execute_model), strict(sample_tokens)
+    params = [SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=list(range(3, 300))),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=12, repetition_penalty=1.2, frequency_penalty=0.5,
+                             presence_penalty=0.3, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=10, top_p=0.9, min_p=0.05, max_tokens=12, logprobs=3,
+                             ignore_eos=True)]
+    outs = llm.generate(random_prompts([9, 21, 14], seed=6), params, use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) >= 6 and len(outs[2].outputs[0].logprobs) == 12

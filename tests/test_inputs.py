@@ -41,10 +41,56 @@ def test_bad_prompts_are_rejected_and_engine_still_works(llm, prompt, message):
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(min_tokens=20, max_tokens=5), "min_tokens"),
     (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(logprobs=-1), "logprobs"),
+    (dict(temperature="0.5"), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=float("nan")), "temperature"), (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(stop=5), "stop"), (dict(max_tokens=2.5), "max_tokens"), (dict(top_k=True), "top_k"),
+    (dict(n=0), "n"), (dict(presence_penalty=3), "presence_penalty"), (dict(frequency_penalty="x"), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(seed=2**64), "seed"), (dict(seed="1"), "seed"),
+    (dict(ignore_eos=1), "ignore_eos"), (dict(output_kind=7), "output_kind"), (dict(logprobs=1.0), "logprobs"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_are_keyword_only():
+    with pytest.raises(TypeError):
+        SamplingParams(0.5)
+    assert SamplingParams(stop="x", stop_token_ids=(3,), top_k=-1).stop == ["x"]
+
+
+@pytest.mark.parametrize("prompts, sampling_params, message", [
+    (123, GREEDY, "prompts must be"), (None, GREEDY, "prompts must be"), ([[5, 6], 3.5], GREEDY, "must be a str"),
+    ([5, 6], {"temperature": 0}, "sampling_params must be a SamplingParams"),
+    ([5, 6], "greedy", "sampling_params must be a SamplingParams"),
+    ([5, 6], SamplingParams(stop_token_ids=[512]), "stop token id 512 is outside the vocabulary"),
+])
+def test_bad_generate_arguments_name_what_is_wrong(llm, prompts, sampling_params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, sampling_params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("messages", [[{"content": "hi"}], [{"role": "user"}], ["hi"], [[{"role": "user"}]]])
+def test_chat_messages_need_role_and_content(llm, messages):
+    with pytest.raises(ValueError, match="must be a dict with 'role' and 'content'"):
+        llm.chat(messages, GREEDY, use_tqdm=False)
+
+
+def test_max_model_len_beyond_the_models_context(llama_dir, monkeypatch):
+    with pytest.raises(ValueError, match="max_position_embeddings=512.*NANOINFER_ALLOW_LONG_MAX_MODEL_LEN"):
+        LLM(llama_dir, max_model_len=1024)
+    monkeypatch.setenv("NANOINFER_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert LLM(llama_dir, max_model_len=1024).llm_engine.config.max_model_len == 1024
+
+
+def test_impossible_max_model_len_is_rejected_before_the_weights_load(llama_dir, monkeypatch):
+    import nanoinfer.engine.model_runner as model_runner
+    monkeypatch.setattr(model_runner, "load_model", lambda *a: pytest.fail("the weights were loaded"))
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(llama_dir, num_kvcache_blocks=2, max_model_len=64)
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(llama_dir, cpu_kvcache_space_gb=1e-6, max_model_len=64)
 
 
 def test_sampling_params_count_must_match(llm):

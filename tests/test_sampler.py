@@ -21,7 +21,7 @@ def metadata(rows, temperature=1.0, top_k=None, top_p=None, min_p=None, seeds=No
 def test_greedy_is_argmax():
     logits = torch.randn(5, 50)
     out = Sampler()(logits, metadata(5, temperature=0))
-    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert torch.equal(out.sampled_token_ids[:, 0], logits.argmax(-1))
 
 
 def test_top_k_keeps_k_largest():
@@ -49,16 +49,16 @@ def test_min_p_drops_tokens_below_fraction_of_top():
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1, 0.0])
     logits = probs.log().expand(20000, 4).contiguous()
-    counts = torch.bincount(Sampler()(logits, metadata(20000)).token_ids, minlength=4).float() / 20000
+    counts = torch.bincount(Sampler()(logits, metadata(20000)).sampled_token_ids[:, 0], minlength=4).float() / 20000
     assert torch.allclose(counts, probs, atol=0.02)
 
 
 def test_a_row_draw_depends_on_its_seed_alone():
     logits = torch.randn(3, 100)
-    a = Sampler()(logits, metadata(3, seeds=[1, 7, 2])).token_ids
-    b = Sampler()(torch.cat([torch.randn(2, 100), logits[1:2]]), metadata(3, seeds=[5, 6, 7])).token_ids
+    a = Sampler()(logits, metadata(3, seeds=[1, 7, 2])).sampled_token_ids[:, 0]
+    b = Sampler()(torch.cat([torch.randn(2, 100), logits[1:2]]), metadata(3, seeds=[5, 6, 7])).sampled_token_ids[:, 0]
     assert a[1] == b[2]
-    draws = {Sampler()(logits[:1], metadata(1, seeds=[seed])).token_ids.item() for seed in range(20)}
+    draws = {Sampler()(logits[:1], metadata(1, seeds=[seed])).sampled_token_ids[:, 0].item() for seed in range(20)}
     assert len(draws) > 1   # other seeds, other draws
 
 
@@ -106,4 +106,34 @@ def test_engine_logprobs_match_transformers(llama_dir):
         row = reference[len(prompt) - 1 + i]
         assert token in lps and len(lps) in (2, 3)
         for t, lp in lps.items():
-            assert math.isclose(lp, row[t].item(), abs_tol=1e-4)
+            assert math.isclose(lp.logprob, row[t].item(), abs_tol=1e-4)
+            assert lp.rank == int((row >= row[t]).sum())
+
+
+def test_repetition_penalty_matches_transformers(llama_dir):
+    from conftest import hf_greedy
+    prompts = random_prompts([6, 20], seed=70)
+    for penalty in (1.6, 0.7):
+        ours = LLM(llama_dir).generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                               repetition_penalty=penalty), use_tqdm=False)
+        for prompt, out in zip(prompts, ours):
+            assert out.outputs[0].token_ids == hf_greedy(llama_dir, prompt, 12, repetition_penalty=penalty)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_frequency_and_presence_penalties(llama_dir, async_scheduling):
+    """Greedy with penalties against a step-by-step reference on transformers' logits: each
+    token's logit minus frequency x its count in the output, minus presence if it is there."""
+    from conftest import hf_logits
+    prompt = random_prompts([6, 20], seed=70)[1]   # greedy repeats itself after 5 tokens
+    llm = LLM(llama_dir, async_scheduling=async_scheduling)
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    for frequency, presence in ((1.5, 0.0), (0.0, 2.0), (-2.0, 0.5)):
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=presence,
+                                                  frequency_penalty=frequency), use_tqdm=False)[0].outputs[0]
+        expected = []
+        for _ in range(10):
+            logits = hf_logits(llama_dir, prompt + expected)[-1]
+            counts = torch.bincount(torch.tensor(expected, dtype=torch.long), minlength=logits.shape[0]).float()
+            expected.append(int((logits - frequency * counts - presence * (counts > 0)).argmax()))
+        assert out.token_ids == expected != plain[0].outputs[0].token_ids

@@ -3,7 +3,6 @@ min_tokens; and incremental detokenization across multi-byte characters."""
 from conftest import copy_model, make_tokenizer, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
-from nanoinfer.engine.sequence import Sequence
 
 PROMPT = random_prompts([10], seed=11)[0]
 
@@ -69,11 +68,8 @@ def test_detokenization_across_multibyte_characters():
     ids = tokenizer.encode(text)
     pieces = [tokenizer.decode([i]) for i in ids]
     assert any("\ufffd" in p for p in pieces)   # some character really is split across tokens
-    prompt = tokenizer.encode("The")
-    seq = Sequence(prompt, __import__("nanoinfer").SamplingParams())
-    detok = IncrementalDetokenizer(tokenizer, seq)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("The"), SamplingParams())
     for token in ids:
-        seq.append_token(token)
-        detok.update()
-        assert "\ufffd" not in seq.output_text
-    assert seq.output_text == text
+        detok.update([token], finished=False)
+        assert "\ufffd" not in detok.output_text
+    assert detok.output_text == text

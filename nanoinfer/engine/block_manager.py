@@ -3,11 +3,14 @@
 The KV cache is cut into blocks of `block_size` (16) token slots. A sequence owns a block table:
 the list of its blocks in order, so token i lives in slot `block_table[i // 16] * 16 + i % 16`.
 
-Prefix caching: once a block is full (all 16 of its tokens computed) it gets a hash that chains
-its parent's hash with its own token ids, so equal hashes mean equal whole prefixes. A new
-request looks its full prompt blocks up in `hash_to_block` and reuses the longest run of hits
-(bumping `ref_count`), computing only the rest. At least one prompt token is always computed,
-so the step that finishes the prompt has logits to sample from.
+Prefix caching: once a block is full (all 16 of its tokens computed) it takes the sequence's hash
+of that block (`Sequence.block_hashes`: its parent's hash chained with its own token ids, so equal
+hashes mean equal whole prefixes) and is entered in `hash_to_block`. A new request looks its full
+prompt blocks up there and reuses the longest run of hits (bumping `ref_count`), computing only
+the rest. At least one prompt token is always computed, so the step that finishes the prompt has
+logits to sample from. A block is entered as soon as the step that computes it is scheduled, so
+a request admitted later in the same step (another sample of the same prompt, say) shares it: the
+forward writes each layer's K/V before any attention of that layer reads them.
 
 Freed blocks (ref_count 0) go to the back of the free queue but keep their hash: they can still
 be hit until reused (lazy eviction). New blocks come from the front, so the block freed longest
@@ -15,28 +18,16 @@ ago is evicted first; a sequence frees its blocks tail first, so its prefix stay
 """
 from collections import OrderedDict
 
-import numpy as np
-import xxhash
-
 from nanoinfer.engine.sequence import Sequence
 
 
-def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
-    h = xxhash.xxh64()
-    if parent_hash is not None:
-        h.update(parent_hash.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest()
-
-
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "block_hash")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None
-        self.token_ids: tuple[int, ...] = ()
 
 
 class BlockManager:
@@ -58,26 +49,26 @@ class BlockManager:
         """The blocks of the longest cached prefix of `seq`, leaving at least one token to compute."""
         if not self.enable_prefix_caching:
             return []
-        computed, parent = [], None
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            token_ids = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
-            parent = hash_block(parent, token_ids)
-            block_id = self.hash_to_block.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids):
+        computed = []
+        for block_hash in seq.block_hashes[:(seq.num_tokens - 1) // self.block_size]:
+            block_id = self.hash_to_block.get(block_hash)
+            if block_id is None:
                 break
             computed.append(block_id)
         return computed
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> list[int] | None:
         """Give `seq` blocks for `num_new_tokens` more tokens, starting with the cached
-        `computed_blocks` on first admission. All or nothing: False leaves everything as it was."""
-        if seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
-            return True   # fits in the blocks it has: most decode steps
+        `computed_blocks` on first admission. Returns the blocks appended to its table (often
+        none: a decode usually fits in the blocks it has), or None when they do not fit; then
+        nothing has changed."""
         num_total = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         num_needed = -(-num_total // self.block_size) - len(seq.block_table) - len(computed_blocks)
+        if num_needed <= 0 and not computed_blocks:
+            return []
         num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         if max(num_needed, 0) + num_revived > self.num_free_blocks:
-            return False
+            return None
         if not seq.block_table:
             self.num_prefix_query_tokens += seq.num_tokens
             self.num_prefix_hit_tokens += len(computed_blocks) * self.block_size
@@ -86,34 +77,29 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.free_block_queue[block_id]
             block.ref_count += 1
-            seq.block_table.append(block_id)
-        seq.num_computed_tokens += len(computed_blocks) * self.block_size
-        seq.num_cached_tokens = max(seq.num_cached_tokens, len(computed_blocks) * self.block_size)
-        for _ in range(num_needed):
-            seq.block_table.append(self._pop_free_block())
-        return True
+        new_blocks = list(computed_blocks) + [self._pop_free_block() for _ in range(num_needed)]
+        seq.block_table += new_blocks
+        return new_blocks
 
     def _pop_free_block(self) -> int:
         block_id, _ = self.free_block_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
             del self.hash_to_block[block.block_hash]   # evicted: its cached content is overwritten
-        block.block_hash, block.token_ids, block.ref_count = None, (), 1
+        block.block_hash, block.ref_count = None, 1
         return block_id
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Hash the blocks of `seq` that became full of computed tokens (placeholders aside)."""
+        """Enter the blocks of `seq` that became full of computed, known tokens in the cache."""
         if not self.enable_prefix_caching:
             return
-        bs, num_full = self.block_size, min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        first = num_full   # hashed blocks form a prefix of the table: walk back to its end
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        first = num_full   # cached blocks form a prefix of the table: walk back to its end
         while first > 0 and self.blocks[seq.block_table[first - 1]].block_hash is None:
             first -= 1
         for i in range(first, num_full):
             block = self.blocks[seq.block_table[i]]
-            parent = self.blocks[seq.block_table[i - 1]].block_hash if i > 0 else None
-            block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            block.block_hash = hash_block(parent, block.token_ids)
+            block.block_hash = seq.block_hashes[i]
             self.hash_to_block.setdefault(block.block_hash, block.block_id)
 
     def reset_prefix_cache(self) -> bool:
@@ -122,7 +108,7 @@ class BlockManager:
             return False
         self.hash_to_block.clear()
         for block in self.blocks:
-            block.block_hash, block.token_ids = None, ()
+            block.block_hash = None
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -132,4 +118,3 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_queue[block_id] = None
         seq.block_table = []
-        seq.num_computed_tokens = 0

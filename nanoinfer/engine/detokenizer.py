@@ -7,48 +7,54 @@ ones, and emits the difference. While the window ends in an incomplete character
 U+FFFD) nothing is emitted and the window grows until the character is complete.
 
 Stop strings are searched only in the tail that the new text could have completed; the output
-is cut just before the stop string.
+is cut just before the stop string (just after it with `include_stop_str_in_output`).
 """
 from transformers import PreTrainedTokenizerBase
 
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.sampling_params import SamplingParams
 
 
 class IncrementalDetokenizer:
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, seq: Sequence):
-        self.tokenizer = tokenizer
-        self.seq = seq
-        self.skip_special_tokens = seq.sampling_params.skip_special_tokens
-        # window of context: a few prompt tokens, so the first output token decodes in context
-        self.read_offset = seq.num_prompt_tokens
-        self.prefix_offset = max(self.read_offset - 5, 0)
-        self.stop = seq.sampling_params.stop
-        self.max_stop_len = max((len(s) for s in self.stop), default=0)
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer, self.params = tokenizer, params
+        # a few prompt tokens of context, so the first output token decodes as it would in the text
+        self.token_ids = list(prompt_token_ids[-5:])
+        self.prefix_offset, self.read_offset = 0, len(self.token_ids)
+        self.num_output_tokens = 0
+        self.output_text = ""
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens,
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
-    def update(self) -> str | None:
-        """Add the text of the sequence's new tokens to seq.output_text; return the stop string
-        if one now appears (the text is then cut before it). A finished sequence's last,
-        incomplete character is flushed rather than held back."""
-        seq = self.seq
-        end = seq.num_tokens
-        prefix_text = self._decode(seq.token_ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(seq.token_ids[self.prefix_offset:end])
-        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not seq.is_finished):
+    def update(self, new_token_ids: list[int], finished: bool) -> str | None:
+        """Add the text of the new tokens to `output_text`; return the stop string if one now
+        appears (the text is then cut at it). A finished request's last, incomplete character is
+        flushed rather than held back."""
+        self.token_ids += new_token_ids
+        self.num_output_tokens += len(new_token_ids)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not finished):
             return None
         delta = new_text[len(prefix_text):]
-        self.prefix_offset, self.read_offset = self.read_offset, end
-        seq.output_text += delta
-        if not self.stop or seq.num_output_tokens <= seq.sampling_params.min_tokens:
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.output_text += delta
+        if not self.params.stop or self.num_output_tokens <= self.params.min_tokens:
             return None
-        search_from = max(len(seq.output_text) - len(delta) - self.max_stop_len + 1, 0)
-        for stop in self.stop:
-            idx = seq.output_text.find(stop, search_from)
+        search_from = max(len(self.output_text) - len(delta) - self.max_stop_len + 1, 0)
+        for stop in self.params.stop:
+            idx = self.output_text.find(stop, search_from)
             if idx != -1:
-                seq.output_text = seq.output_text[:idx]
+                end = idx + len(stop) if self.params.include_stop_str_in_output else idx
+                self.output_text = self.output_text[:end]
                 return stop
         return None
+
+    def visible_text(self, finished: bool) -> str:
+        """The text that may be returned now: while a stop string could still be completing at
+        its end, its possible beginning (up to the longest stop string but one) is held back."""
+        hold = 0 if finished or self.params.include_stop_str_in_output else max(self.max_stop_len - 1, 0)
+        return self.output_text[:len(self.output_text) - hold]

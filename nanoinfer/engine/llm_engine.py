@@ -1,29 +1,44 @@
-"""The engine loop: requests in, one scheduled step at a time, finished outputs out.
+"""The engine loop: requests in, one scheduled step at a time, per-request outputs out.
 
 `step()` is the heart of the engine:
     schedule -> run the model on the flattened batch -> sample -> append tokens and check stops
-    -> detokenize the new tokens (and check stop strings) -> return what finished.
+    -> detokenize the new tokens (and check stop strings) -> return each touched request's output.
 With async scheduling (the default) the step's second half is done one step later: step N+1 is
 scheduled and launched while step N still runs on the GPU, and only then does the host wait for
 step N's tokens and process them. So the GPU never waits for the host's scheduling, input
 building and detokenizing, as long as those take less time than a step's kernels.
-Inputs are validated in `make_sequence` before anything is queued, so a bad request is
-rejected with a clear error and never disturbs the requests already running.
+
+The API is vLLM's and serves both the offline `LLM` and a server's loop: `add_request` and
+`abort_request` may be called between steps. A request is validated in `add_request`, so a bad
+one is rejected with a clear error before it is queued and never disturbs the others; no
+request-level error can arise inside a step. An exception inside a step (a bug, the GPU failing)
+leaves the engine dead: the step's requests and every other one are lost, and every later call
+raises `EngineDeadError` saying why, instead of running on from a state nobody can vouch for.
 """
+import atexit
+import dataclasses
+import gc
 from collections import deque
+from collections.abc import Iterable
+from itertools import count
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.detokenizer import IncrementalDetokenizer
+from nanoinfer.engine.messages import SchedulerOutput
 from nanoinfer.engine.model_runner import AsyncModelRunnerOutput, ModelRunner
-from nanoinfer.engine.scheduler import Scheduler, SchedulerOutput
+from nanoinfer.engine.output_processor import OutputProcessor
+from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Sequence
-from nanoinfer.outputs import CompletionOutput, RequestOutput
+from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
+
+
+class EngineDeadError(RuntimeError):
+    pass
 
 
 class LLMEngine:
@@ -35,31 +50,54 @@ class LLMEngine:
         block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                      config.enable_prefix_caching)
         self.scheduler = Scheduler(config, block_manager)
-        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.in_flight: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()   # launched steps
+        self.seq_counter = count()
+        self.error: BaseException | None = None   # what killed the engine, if anything did
         self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for progress bars
+        # The hundreds of thousands of objects start-up made (modules, the tokenizer, parameters) live
+        # as long as the engine: take them out of the garbage collector's sight, so that its full
+        # collections, which the step loop's allocations trigger now and then, stay short.
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)   # let the interpreter free them at exit (extensions check for leaks)
 
-    def make_sequence(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> Sequence:
-        """Tokenize and validate one request; raises ValueError saying what is wrong with it."""
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+        """Validate and queue a request; raises ValueError saying what is wrong with it."""
+        self.check_alive()
+        params = SamplingParams() if params is None else params
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        text = None
+        text, token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        max_tokens = params.max_tokens or self.config.max_model_len - len(token_ids)
+        children = [params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+                    for i in range(params.n)]   # the samples of n > 1: seeds seed, seed + 1, ...
+        seqs = [Sequence(next(self.seq_counter), token_ids, p, max_tokens, self.config.block_size) for p in children]
+        self.output_processor.add_request(request_id, text, token_ids, children, [s.seq_id for s in seqs])
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if self.tokenizer is None and (isinstance(prompt, str) or (isinstance(prompt, dict)
                                                                    and "prompt_token_ids" not in prompt)):
             raise ValueError("the engine has no tokenizer (skip_tokenizer_init): pass prompt token ids")
-        if self.tokenizer is None and params.stop:
-            raise ValueError("stop strings need a tokenizer; the engine was started with skip_tokenizer_init")
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            text, token_ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        elif isinstance(prompt, list):
-            token_ids = prompt
-        else:
-            raise ValueError("a prompt must be a str, a list of token ids, or a dict with 'prompt' or "
-                             f"'prompt_token_ids', got {type(prompt).__name__}")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), prompt["prompt_token_ids"]
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        if isinstance(prompt, list):
+            return None, prompt
+        raise ValueError("a prompt must be a str, a list of token ids, or a dict with 'prompt' or "
+                         f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
             raise ValueError("prompt token ids must be a list of integers")
         if not token_ids:
@@ -71,68 +109,60 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        return Sequence(token_ids, params, prompt=text, request_id=request_id)
+        bad = [t for t in params.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; the engine was started with skip_tokenizer_init")
+        max_logprobs = min(self.config.max_logprobs, vocab_size)
+        if params.logprobs is not None and params.logprobs > max_logprobs:
+            raise ValueError(f"SamplingParams.logprobs={params.logprobs} is more than this engine returns "
+                             f"(max_logprobs={max_logprobs}, an engine option)")
 
-    def add_sequence(self, seq: Sequence) -> None:
-        if self.tokenizer is not None:
-            self.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq)
-        self.scheduler.add(seq)
-
-    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> str:
-        seq = self.make_sequence(prompt, params, request_id)
-        self.add_sequence(seq)
-        return seq.request_id
-
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            if seq.request_id == request_id:
-                self.scheduler.finish(seq, "abort")
-                self.detokenizers.pop(seq.seq_id, None)
-                return make_output(seq)
-        return None
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests at once and free their blocks; ids no longer live are ignored."""
+        if self.error is not None:
+            return   # a dead engine holds no requests
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if request_id in self.output_processor.requests:
+                for seq_id in self.output_processor.remove_request(request_id):
+                    if seq_id in self.scheduler.requests:
+                        self.scheduler.finish(self.scheduler.requests[seq_id], "abort")
 
     def has_unfinished_requests(self) -> bool:
+        self.check_alive()
         return self.scheduler.has_unfinished() or bool(self.in_flight)
 
+    def check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped after an error in a step ({type(self.error).__name__}: "
+                                  f"{self.error}); its requests are lost: create a new engine") from self.error
+
     def step(self) -> list[RequestOutput]:
+        self.check_alive()
+        try:
+            return self._step()
+        except BaseException as e:
+            self.error = e
+            self.in_flight.clear()
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        if sched.seqs:
-            self.in_flight.append((sched, self.model_runner.execute_model(sched)))
-        self.num_prefill_tokens = sum(n for n in sched.num_scheduled_tokens if n > 1)
-        self.num_decode_tokens = sum(1 for n in sched.num_scheduled_tokens if n == 1)
-        finished = []
+        self.model_runner.execute_model(sched)
+        self.in_flight.append((sched, self.model_runner.sample_tokens()))
+        self.num_prefill_tokens = sum(n for n in sched.num_scheduled_tokens.values() if n > 1)
+        self.num_decode_tokens = sum(1 for n in sched.num_scheduled_tokens.values() if n == 1)
+        core_outputs = []
         # async scheduling leaves the step just launched in flight and finishes the one before
-        keep = 1 if self.config.async_scheduling and sched.seqs else 0
+        keep = 1 if self.config.async_scheduling and sched.num_scheduled_tokens else 0
         while len(self.in_flight) > keep:
-            finished += self.process_output(*self.in_flight.popleft())
-        return finished
-
-    def process_output(self, sched: SchedulerOutput, pending: AsyncModelRunnerOutput) -> list[RequestOutput]:
-        runner_output = pending.get_output()
-        finished = []
-        for seq in self.scheduler.update_from_output(sched, runner_output.sampled_token_ids):
-            if seq.logprobs is not None:
-                seq.logprobs.append(runner_output.logprobs[seq.seq_id])
-            detokenizer = self.detokenizers.get(seq.seq_id)
-            stopped_by_token = seq.is_finished and seq.finish_reason == "stop"
-            if detokenizer and not stopped_by_token:   # the EOS or stop token itself is not text
-                stop_string = detokenizer.update()
-                if stop_string is not None:
-                    if seq.is_finished:
-                        seq.finish_reason, seq.stop_reason = "stop", stop_string
-                    else:
-                        self.scheduler.finish(seq, "stop", stop_string)
-            if seq.is_finished:
-                self.detokenizers.pop(seq.seq_id, None)
-                finished.append(make_output(seq))
-        return finished
-
-
-def make_output(seq: Sequence) -> RequestOutput:
-    completion = CompletionOutput(0, seq.output_text, seq.output_token_ids, seq.finish_reason,
-                                  seq.stop_reason, seq.logprobs)
-    return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
-                         seq.is_finished, seq.num_cached_tokens)
+            done, pending = self.in_flight.popleft()
+            core_outputs += self.scheduler.update_from_output(done, pending.get_output())
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        for seq_id, stop_string in stopped:
+            self.scheduler.finish(self.scheduler.requests[seq_id], "stop", stop_string)
+        return outputs
 
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase:

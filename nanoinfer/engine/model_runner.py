@@ -1,68 +1,56 @@
-"""Runs the model for one scheduled step.
+"""Runs the model for one scheduled step, in two phases.
 
-`prepare_inputs` flattens the step into one unpadded batch: the new tokens of every scheduled
-sequence back to back (`input_ids`, `positions`), where each one's K/V goes (`slot_mapping`),
-and per sequence its query range (`cu_seqlens_q`), key count (`context_lens`) and block table.
-Only sequences whose step reaches their last token are sampled: their last hidden state goes
-through the LM head, the others' prompt chunks just fill the cache.
+`execute_model(scheduler_output)` applies the step message to the runner's persistent batch
+(`input_batch.py`), flattens the step into one unpadded batch (the new tokens of every scheduled
+request back to back: `input_ids`, `positions`, where each one's K/V goes, per request its query
+range, key count and block table), runs the forward and computes the logits of the requests that
+sample: their last hidden state goes through the LM head; the others' prompt chunks only fill the
+cache. `sample_tokens()` then processes those logits on the device (min_tokens, penalties, and
+later the guided-decoding bitmask) and samples. The runner never sees a `Sequence`: the message
+is all it is told, so a worker in another process can run the same step from the same message.
 
 The KV cache is one tensor [2 (K, V), layers, blocks, block_size, kv_heads, head_dim]; each
 attention layer gets a view of its own slice. On a GPU its size is what is left of
 `gpu_memory_utilization` after the weights and the activation peak of a profiling forward at
 the largest step (`max_num_batched_tokens` tokens); pure-decode steps then replay CUDA graphs.
-Step inputs are built as Python lists, put in pinned host memory and copied without blocking.
-Nothing in `execute_model` waits for the GPU: the sampled tokens come back through an
-`AsyncModelRunnerOutput`, and a decode whose input token is still being sampled by the previous
-step (async scheduling) gathers it from that step's output on the device.
+Nothing here waits for the GPU: the sampled tokens come back through an
+`AsyncModelRunnerOutput`, and the next step's decodes take theirs on the device.
 """
-from dataclasses import dataclass, field
-
-import numpy as np
 import torch
 
 from nanoinfer.attention import AttentionMetadata, get_attn_backend, set_forward_context
 from nanoinfer.config import Config
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
-from nanoinfer.engine.scheduler import SchedulerOutput
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.engine.input_batch import InputBatch, StepInputs
+from nanoinfer.engine.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanoinfer.models import MODEL_REGISTRY
 from nanoinfer.models.loader import init_dummy_weights, load_model
 
 
-@dataclass
-class ModelRunnerOutput:
-    sampled_token_ids: dict[int, int] = field(default_factory=dict)       # seq_id -> token
-    logprobs: dict[int, dict[int, float]] = field(default_factory=dict)   # seq_id -> {token: logprob}
-
-
 class AsyncModelRunnerOutput:
     """A launched step's sampled tokens on their way to the host: `get_output` waits for them."""
 
-    def __init__(self, seqs: list[Sequence], sampled: SamplerOutput | None = None):
-        self.seqs, self.sampled, self.copied = seqs, None, None
+    def __init__(self, seq_ids: list[int], sampled: SamplerOutput | None = None):
+        self.seq_ids, self.sampled, self.copied = seq_ids, None, None
         if sampled is not None:   # copies queued behind the step's kernels; the host goes on
             self.sampled = SamplerOutput(*(t if t is None else t.to("cpu", non_blocking=True)
-                                           for t in (sampled.token_ids, sampled.logprobs, sampled.logprob_token_ids)))
-            if sampled.token_ids.is_cuda:
+                                           for t in (sampled.sampled_token_ids, sampled.logprob_token_ids,
+                                                     sampled.logprobs, sampled.sampled_token_ranks)))
+            if sampled.sampled_token_ids.is_cuda:
                 self.copied = torch.cuda.Event()
                 self.copied.record()
 
     def get_output(self) -> ModelRunnerOutput:
-        out = ModelRunnerOutput()
         if self.sampled is None:
-            return out
+            return ModelRunnerOutput()
         if self.copied is not None:
             self.copied.synchronize()
-        token_ids = self.sampled.token_ids.tolist()
-        out.sampled_token_ids = {seq.seq_id: t for seq, t in zip(self.seqs, token_ids)}
+        out = ModelRunnerOutput(self.seq_ids, self.sampled.sampled_token_ids.tolist())
         if self.sampled.logprobs is not None:
-            ids, lps = self.sampled.logprob_token_ids.tolist(), self.sampled.logprobs.tolist()
-            for row, seq in enumerate(self.seqs):
-                n = seq.sampling_params.logprobs
-                if n is not None:
-                    out.logprobs[seq.seq_id] = dict(zip(ids[row][:n + 1], lps[row][:n + 1]))
+            out.logprobs = LogprobsLists(self.sampled.logprob_token_ids.tolist(), self.sampled.logprobs.tolist(),
+                                         self.sampled.sampled_token_ranks.tolist())
         return out
 
 
@@ -75,6 +63,10 @@ class ModelRunner:
         self.block_size = config.block_size
         hf_config = config.hf_config
         arch = next(a for a in hf_config.architectures if a in MODEL_REGISTRY)
+        gpu_bytes = None   # at most this much of the GPU can go to the KV cache: check before loading weights
+        if self.device.type == "cuda":
+            gpu_bytes = torch.cuda.mem_get_info(self.device)[1] * config.gpu_memory_utilization
+        self.check_kv_cache_holds_max_model_len(gpu_bytes)
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -88,34 +80,41 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.sampler = Sampler()
-        self.rng = np.random.default_rng(config.seed)   # the seeds of unseeded requests' draws
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, self.block_size,
+                                      hf_config.vocab_size, config.eos_token_ids, self.device, config.seed)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = get_attn_backend(config.attention_backend)
         for layer in self.attn_layers:
             layer.backend = backend
         self.allocate_kv_cache()
-        self.prev_sampled_token_ids, self.prev_rows = None, {}   # the last step's samples, still on the device
+        self.pending: tuple[StepInputs, torch.Tensor] | None = None   # executed, not yet sampled
         self.graph_runner = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CUDAGraphRunner(
                 self.model, min(config.max_num_seqs, 512), -(-config.max_model_len // self.block_size),
                 hf_config.hidden_size, self.dtype, self.device)
 
-    def allocate_kv_cache(self) -> None:
-        num_kv_heads, head_dim = self.attn_layers[0].num_kv_heads, self.attn_layers[0].head_dim
-        shape = (len(self.attn_layers), self.block_size, num_kv_heads, head_dim)
-        block_bytes = 2 * shape[0] * shape[1] * shape[2] * shape[3] * self.dtype.itemsize
-        if self.config.num_kvcache_blocks is not None:
-            num_blocks = self.config.num_kvcache_blocks
-        elif self.device.type == "cpu":
-            num_blocks = int(self.config.cpu_kvcache_space_gb * 2**30) // block_bytes
-        else:
-            num_blocks = int(self.profile_free_memory()) // block_bytes
+    def check_kv_cache_holds_max_model_len(self, kv_cache_bytes: float | None = None) -> int:
+        """The number of KV cache blocks (from `num_kvcache_blocks`, the CPU's cache space, or
+        `kv_cache_bytes`); a ValueError if they cannot hold one sequence of max_model_len tokens."""
+        num_blocks = self.config.num_kvcache_blocks
+        if num_blocks is None:
+            if kv_cache_bytes is None:
+                kv_cache_bytes = self.config.cpu_kvcache_space_gb * 2**30
+            num_blocks = int(kv_cache_bytes) // (self.block_size * self.config.kv_cache_bytes_per_token)
         if num_blocks * self.block_size < self.config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {max(num_blocks, 0) * self.block_size} tokens, fewer than max_model_len="
                 f"{self.config.max_model_len}: lower max_model_len or give the cache more memory")
-        self.num_kvcache_blocks = num_blocks
+        return num_blocks
+
+    def allocate_kv_cache(self) -> None:
+        free_bytes = None
+        if self.device.type == "cuda" and self.config.num_kvcache_blocks is None:
+            free_bytes = self.profile_free_memory()
+        num_blocks = self.num_kvcache_blocks = self.check_kv_cache_holds_max_model_len(free_bytes)
+        num_kv_heads, head_dim = self.attn_layers[0].num_kv_heads, self.attn_layers[0].head_dim
+        shape = (len(self.attn_layers), self.block_size, num_kv_heads, head_dim)
         self.kv_cache = torch.empty(2, shape[0], num_blocks, *shape[1:], dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -143,9 +142,10 @@ class ModelRunner:
             hidden_states = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions)
         rows = min(self.config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden_states[:rows]).float()
-        self.sampler(logits, SamplingMetadata(torch.ones(rows, device=self.device), None,
-                                              torch.full((rows,), 0.9, device=self.device), None,
-                                              torch.zeros(rows, dtype=torch.int64, device=self.device), False, None))
+        self.sampler(logits, SamplingMetadata(
+            temperatures=torch.ones(rows, device=self.device), top_ks=None,
+            top_ps=torch.full((rows,), 0.9, device=self.device), min_ps=None,
+            seeds=torch.zeros(rows, dtype=torch.int64, device=self.device), all_greedy=False, max_num_logprobs=None))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del hidden_states, logits
@@ -153,96 +153,31 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         return total * self.config.gpu_memory_utilization - (total - free) - peak
 
-    def to_device(self, data, dtype: type) -> torch.Tensor:
-        """A host list or array as a device tensor: through numpy (torch.tensor(list) costs about a
-        microsecond per element) and pinned memory, copied without blocking."""
-        tensor = torch.from_numpy(np.asarray(data, dtype=dtype))
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
-
-    def prepare_inputs(self, sched: SchedulerOutput):
-        bs = self.block_size
-        input_ids, positions, slot_mapping, cu_seqlens_q, context_lens = [], [], [], [0], []
-        logits_indices, sample_seqs, placeholders = [], [], []
-        for seq, start, num_new, sample in zip(sched.seqs, sched.num_computed_tokens, sched.num_scheduled_tokens,
-                                               sched.do_sample):
-            end = start + num_new
-            if num_new == 1:   # a decode: the common case, kept cheap
-                if start < seq.num_tokens:
-                    input_ids.append(seq.token_ids[start])
-                else:   # the token the previous step is sampling: taken on the device
-                    placeholders.append((len(input_ids), self.prev_rows[seq.seq_id]))
-                    input_ids.append(0)
-                positions.append(start)
-                slot_mapping.append(seq.block_table[start // bs] * bs + start % bs)
-            else:
-                input_ids.extend(seq.token_ids[start:end])
-                positions.extend(range(start, end))
-                for b in range(start // bs, (end - 1) // bs + 1):
-                    base = seq.block_table[b] * bs - b * bs
-                    slot_mapping.extend(range(base + max(start, b * bs), base + min(end, (b + 1) * bs)))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
-            context_lens.append(end)
-            if sample:
-                logits_indices.append(cu_seqlens_q[-1] - 1)
-                sample_seqs.append(seq)
-        block_tables = np.full((len(sched.seqs), max(len(seq.block_table) for seq in sched.seqs)), -1, np.int32)
-        for row, seq in zip(block_tables, sched.seqs):
-            row[:len(seq.block_table)] = seq.block_table
-        tensor = self.to_device
-        meta = AttentionMetadata(
-            cu_seqlens_q=tensor(cu_seqlens_q, np.int32), context_lens=tensor(context_lens, np.int32),
-            slot_mapping=tensor(slot_mapping, np.int64), block_tables=tensor(block_tables, np.int32),
-            max_seqlen_q=max(sched.num_scheduled_tokens))
-        input_ids = tensor(input_ids, np.int64)
-        if placeholders:
-            index, rows = tensor(placeholders, np.int64).unbind(1)
-            input_ids[index] = self.prev_sampled_token_ids[rows]
-        return input_ids, tensor(positions, np.int64), meta, tensor(logits_indices, np.int64), sample_seqs
-
-    def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
-        params = [seq.sampling_params for seq in seqs]
-        seeds = self.rng.integers(2**63, size=len(seqs))
-        for row, seq in enumerate(seqs):
-            if seq.sampling_params.seed is not None:   # keyed by the token's index: the same draw in any batch
-                index = seq.num_tokens_with_placeholders - seq.num_prompt_tokens
-                seeds[row] = hash((seq.sampling_params.seed, index)) & (2**63 - 1)
-
-        def column(values, dtype, neutral):
-            return None if all(v == neutral for v in values) else self.to_device(values, dtype)
-        num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        return SamplingMetadata(
-            temperatures=self.to_device([p.temperature for p in params], np.float32),
-            top_ks=column([p.top_k for p in params], np.int64, 0),
-            top_ps=column([p.top_p for p in params], np.float32, 1.0),
-            min_ps=column([p.min_p for p in params], np.float32, 0.0),
-            seeds=self.to_device(seeds, np.int64), all_greedy=all(p.greedy for p in params),
-            max_num_logprobs=max(num_logprobs) if num_logprobs else None)
-
-    def block_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Before min_tokens are out, EOS and stop_token_ids cannot be sampled."""
-        for row, seq in enumerate(seqs):
-            params = seq.sampling_params
-            if seq.num_tokens_with_placeholders - seq.num_prompt_tokens - 1 < params.min_tokens:   # this token's index
-                blocked = params.stop_token_ids + ([] if params.ignore_eos else self.config.eos_token_ids)
-                logits[row, [t for t in blocked if t < logits.shape[1]]] = float("-inf")
-
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> AsyncModelRunnerOutput:
-        """Launch the step and return without waiting for it: on a GPU the host can schedule the
-        next step while this one runs."""
-        input_ids, positions, meta, logits_indices, seqs = self.prepare_inputs(sched)
-        if self.graph_runner is not None and self.graph_runner.can_run(meta, len(input_ids)):
-            hidden_states = self.graph_runner.run(input_ids, positions, meta)
+    def execute_model(self, sched: SchedulerOutput) -> None:
+        """Apply the step message, launch the forward and the logits of the requests that sample,
+        and return without waiting: on a GPU the host can go on while the step runs."""
+        self.input_batch.update(sched)
+        self.pending = None
+        if not sched.num_scheduled_tokens:
+            return
+        step = self.input_batch.prepare_inputs(sched)
+        meta = step.attn_metadata
+        if self.graph_runner is not None and self.graph_runner.can_run(meta, len(step.input_ids)):
+            hidden_states = self.graph_runner.run(step.input_ids, step.positions, meta)
         else:
             with set_forward_context(meta):
-                hidden_states = self.model(input_ids, positions)
-        if not seqs:
+                hidden_states = self.model(step.input_ids, step.positions)
+        if step.sample_seq_ids:
+            self.pending = step, self.model.compute_logits(hidden_states[step.logits_indices])
+
+    @torch.inference_mode()
+    def sample_tokens(self) -> AsyncModelRunnerOutput:
+        """Process the executed step's logits and sample (still without waiting for the GPU)."""
+        if self.pending is None:
             return AsyncModelRunnerOutput([])
-        logits = self.model.compute_logits(hidden_states[logits_indices])
-        self.block_stop_tokens(logits, seqs)
-        sampled = self.sampler(logits, self.prepare_sampling(seqs))
-        self.prev_sampled_token_ids = sampled.token_ids
-        self.prev_rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
-        return AsyncModelRunnerOutput(seqs, sampled)
+        step, logits = self.pending
+        self.pending = None
+        sampled = self.sampler(logits, self.input_batch.sampling_metadata(step))
+        self.input_batch.record_sampled(step.sample_seq_ids, sampled.sampled_token_ids)
+        return AsyncModelRunnerOutput(step.sample_seq_ids, sampled)

@@ -11,29 +11,35 @@ sequences. There is no separate prefill or decode phase: a sequence simply has
 2. Then waiting sequences in arrival order (FCFS), each starting from its longest cached prefix,
    while budget, sequence slots and blocks last. None are admitted in a step that preempted.
 
-A scheduled sequence is advanced at once (`num_computed_tokens`), and one whose step reaches its
-last token gets an output placeholder: so the next step can be scheduled while this one still
-runs on the GPU (async scheduling), its decode reading the token this step samples. A sequence
-whose placeholders already reach max_tokens or max_model_len is not scheduled again.
+The step is described to the model runner by a `SchedulerOutput` (messages.py): a sequence is
+sent whole when admitted, then only what changed. A scheduled sequence is advanced at once
+(`num_computed_tokens`), and one whose step reaches its last token gets an output placeholder:
+so the next step can be scheduled while this one still runs on the GPU (async scheduling), its
+decode reading the token this step samples. A sequence whose placeholders already reach its
+max_tokens or max_model_len is not scheduled again.
 
-`update_from_output` then fills the placeholders with the sampled tokens and applies the
-token-level stops (EOS, stop_token_ids, max_tokens, max_model_len). A token sampled for a
-sequence that stopped (or was aborted) meanwhile is dropped.
+`update_from_output` then appends the sampled tokens and applies the token-level stops (EOS,
+stop_token_ids, max_tokens, max_model_len) to each in order. A token sampled for a sequence that
+stopped (or was aborted) meanwhile is dropped.
 """
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
+from nanoinfer.engine.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass
-class SchedulerOutput:
-    seqs: list[Sequence]
-    num_scheduled_tokens: list[int]
-    num_computed_tokens: list[int] = field(default_factory=list)   # each one's tokens already cached
-    do_sample: list[bool] = field(default_factory=list)            # does its step reach its last token
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step did to one sequence: its new tokens, and how it ended if it did."""
+    seq_id: int
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[int], list[float], int]] | None   # per token: ids, logprobs, rank
+    num_cached_tokens: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class Scheduler:
@@ -44,102 +50,134 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.eos_token_ids = config.eos_token_ids
         self.block_manager = block_manager
+        self.requests: dict[int, Sequence] = {}   # every live sequence, by seq_id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.finished_seq_ids: set[int] = set()   # since the last step, for the runner to forget
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        self.requests[seq.seq_id] = seq
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput([], [])
+        out = SchedulerOutput(finished_seq_ids=self.finished_seq_ids)
+        self.finished_seq_ids = set()
         budget = self.max_num_batched_tokens
-        preempted = False
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            i += 1
             if self.reaches_length_limit(seq):
-                i += 1   # its last token is in flight: it finishes when that arrives
-                continue
+                continue   # its last token is in flight: it finishes when that arrives
             num_new = min(seq.num_tokens_with_placeholders - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(seq, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
-                out.seqs.append(seq)
-                out.num_scheduled_tokens.append(num_new)
-                budget -= num_new
-                i += 1
+            new_blocks = self.allocate_or_preempt(seq, num_new, out)
+            if new_blocks is None:
+                break      # it was the newest running sequence, preempted itself
+            cached = out.scheduled_cached_reqs
+            cached.seq_ids.append(seq.seq_id)
+            cached.new_token_ids.append(seq.token_ids[seq.num_tokens_sent:])
+            cached.new_block_ids.append(new_blocks)
+            cached.num_computed_tokens.append(seq.num_computed_tokens)
+            self.advance(seq, num_new, out)
+            budget -= num_new
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and not out.preempted_seq_ids and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             computed = self.block_manager.get_computed_blocks(seq)
-            num_new = min(seq.num_tokens - len(computed) * self.block_manager.block_size, budget)
-            if not self.block_manager.allocate_slots(seq, num_new, computed):
+            num_cached = len(computed) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if self.block_manager.allocate_slots(seq, num_new, computed) is None:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_cached
             self.running.append(seq)
-            out.seqs.append(seq)
-            out.num_scheduled_tokens.append(num_new)
+            out.scheduled_new_reqs.append(NewRequestData(
+                seq_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
+                sampling_params=seq.sampling_params, block_ids=list(seq.block_table),
+                num_computed_tokens=num_cached))
+            self.advance(seq, num_new, out)
             budget -= num_new
-
-        for seq, num_new in zip(out.seqs, out.num_scheduled_tokens):
-            out.num_computed_tokens.append(seq.num_computed_tokens)
-            seq.num_computed_tokens += num_new
-            out.do_sample.append(seq.num_computed_tokens == seq.num_tokens_with_placeholders)
-            seq.num_output_placeholders += out.do_sample[-1]
-            self.block_manager.cache_full_blocks(seq)
         return out
+
+    def allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> list[int] | None:
+        """Blocks for `num_new` more tokens of running `seq`, preempting the newest running
+        sequences until they fit; None if `seq` itself had to be preempted."""
+        while (new_blocks := self.block_manager.allocate_slots(seq, num_new)) is None:
+            victim = self.running.pop()
+            self.block_manager.free(victim)
+            victim.status, victim.num_computed_tokens = SequenceStatus.WAITING, 0
+            self.waiting.appendleft(victim)
+            out.preempted_seq_ids.add(victim.seq_id)
+            self.num_preemptions += 1
+            if victim is seq:
+                return None
+        return new_blocks
+
+    def advance(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        """Count `seq`'s scheduled tokens as computed; enter the blocks they fill in the prefix cache."""
+        out.num_scheduled_tokens[seq.seq_id] = num_new
+        seq.num_tokens_sent = seq.num_tokens
+        seq.num_computed_tokens += num_new
+        if seq.num_computed_tokens == seq.num_tokens_with_placeholders:   # it samples
+            seq.num_output_placeholders += 1
+        bs = self.block_manager.block_size
+        if seq.num_computed_tokens // bs > (seq.num_computed_tokens - num_new) // bs:   # a block filled up
+            self.block_manager.cache_full_blocks(seq)
 
     def reaches_length_limit(self, seq: Sequence) -> bool:
         """Do the tokens in flight already take `seq` to max_tokens or max_model_len?"""
         num_tokens = seq.num_tokens_with_placeholders
-        return (num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
-                or num_tokens >= self.max_model_len)
+        return num_tokens - seq.num_prompt_tokens >= seq.max_tokens or num_tokens >= self.max_model_len
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
-
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Append each sampled token (`sampled` maps seq_id to it) and apply the token-level stops;
-        returns the sequences that got a token."""
-        updated = []
-        for seq in out.seqs:
-            token_id = sampled.get(seq.seq_id)
-            if token_id is None:
-                continue   # a prompt chunk that is not the last: nothing sampled
-            seq.num_output_placeholders -= 1
-            if seq.is_finished:
+    def update_from_output(self, sched: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append each sampled sequence's new tokens, applying the token-level stops to each in order."""
+        outputs, lp = [], runner_output.logprobs
+        for row, (seq_id, token_ids) in enumerate(zip(runner_output.seq_ids, runner_output.sampled_token_ids)):
+            seq = self.requests.get(seq_id)
+            if seq is None:
                 continue   # stopped or aborted while this step ran
-            seq.append_token(token_id)
-            self.block_manager.cache_full_blocks(seq)   # the token may complete a computed block
-            updated.append(seq)
-            params = seq.sampling_params
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                self.finish(seq, "stop")
-            elif token_id in params.stop_token_ids:
-                self.finish(seq, "stop", token_id)
-            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                self.finish(seq, "length")
-        return updated
+            seq.num_output_placeholders -= 1
+            new_token_ids = []
+            for token_id in token_ids:
+                seq.append_token(token_id)
+                new_token_ids.append(token_id)
+                if seq.num_tokens % self.block_manager.block_size == 0:   # it completed a block
+                    self.block_manager.cache_full_blocks(seq)
+                if self.check_stop(seq, token_id):
+                    break
+            new_logprobs = None
+            if seq.sampling_params.logprobs is not None:
+                new_logprobs = [(lp.logprob_token_ids[row], lp.logprobs[row], lp.sampled_token_ranks[row])]
+            outputs.append(EngineCoreOutput(seq_id, new_token_ids, new_logprobs, seq.num_cached_tokens,
+                                            seq.finish_reason, seq.stop_reason))
+        return outputs
+
+    def check_stop(self, seq: Sequence, token_id: int) -> bool:
+        params = seq.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            self.finish(seq, "stop")
+        elif token_id in params.stop_token_ids:
+            self.finish(seq, "stop", token_id)
+        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, "length")
+        return seq.is_finished
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End `seq` (also used for stop strings and aborts) and free its blocks."""
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        if seq in self.running:
+        if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+            self.finished_seq_ids.add(seq.seq_id)   # the runner holds it: tell it to forget it
+        elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.requests.pop(seq.seq_id, None)

@@ -1,19 +1,34 @@
-"""A request in flight: its tokens, how many of them are in the KV cache, and its blocks.
+"""A request in flight, as the scheduler sees it: its tokens, how many are in the KV cache, its blocks.
 
 `num_computed_tokens` is the engine's one measure of progress: tokens whose keys and values are
 in the paged KV cache. A step schedules `num_tokens - num_computed_tokens` more of them, all at
 once for a decode (one token) or in chunks for a long prompt. A sequence samples only when its
 step reaches its last token. Preemption resets `num_computed_tokens` to 0: prompt and output so far
-are computed again as one longer prompt, and the output is unchanged.
+are computed again as one longer prompt, and the output is unchanged. Only the scheduler changes it.
 
 With async scheduling the next step is scheduled before this step's token is known: that token
 is a placeholder (`num_output_placeholders`), counted in the length the scheduler plans with
 but not yet in `token_ids`.
+
+`block_hashes` holds the hash of each full block of known tokens, chained to the previous one
+(so equal hashes mean equal whole prefixes). They are computed once, as tokens become known, and
+serve prefix-cache lookups (and later the KV connector). The hash is 128 bits wide, so blocks are
+matched by hash alone: two different prefixes with one hash are as good as impossible.
 """
 from enum import Enum, auto
-from itertools import count
+
+import numpy as np
+import xxhash
 
 from nanoinfer.sampling_params import SamplingParams
+
+
+def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
+    h = xxhash.xxh3_128()
+    if parent_hash is not None:
+        h.update(parent_hash.to_bytes(16, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
 
 
 class SequenceStatus(Enum):
@@ -23,25 +38,25 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    _counter = count()
 
-    def __init__(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 prompt: str | None = None, request_id: str | None = None):
-        self.seq_id = next(Sequence._counter)
-        self.request_id = request_id if request_id is not None else str(self.seq_id)
-        self.prompt = prompt
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 max_tokens: int, block_size: int):
+        self.seq_id = seq_id               # unique in the engine; what the step messages name it by
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
+        self.max_tokens = max_tokens       # sampling_params.max_tokens, or what fits when that is None
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0      # prompt tokens found in the prefix cache at admission
-        self.num_output_placeholders = 0  # tokens being sampled by steps still in flight
+        self.num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission
+        self.num_output_placeholders = 0   # tokens being sampled by steps still in flight
+        self.num_tokens_sent = 0           # known tokens already sent to the model runner
         self.block_table: list[int] = []
+        self.block_size = block_size
+        self.block_hashes: list[int] = []
+        self.hash_full_blocks()
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
-        self.output_text = ""
 
     @property
     def num_tokens(self) -> int:
@@ -70,3 +85,11 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if len(self.token_ids) % self.block_size == 0:
+            self.hash_full_blocks()
+
+    def hash_full_blocks(self) -> None:
+        bs = self.block_size
+        for i in range(len(self.block_hashes), len(self.token_ids) // bs):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block(parent, self.token_ids[i * bs:(i + 1) * bs]))

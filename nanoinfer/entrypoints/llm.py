@@ -1,16 +1,21 @@
 """The offline API: `LLM(model).generate(prompts, sampling_params)`, as in vLLM.
 
-All requests of a call are validated before any is queued; then the engine steps until they are
-all finished, and the outputs come back in the order of the prompts.
+A thin loop over the engine's API: every request of a call is validated and queued (if one is
+bad, none stays queued), then the engine steps until all of them have finished, and the outputs
+come back in the order of the prompts. Requests that others added to the same engine (through
+`llm.llm_engine.add_request`) run alongside; their outputs are not collected here.
 """
+import dataclasses
+import sys
 import time
+from itertools import count
 
 from tqdm.auto import tqdm
 
 from nanoinfer.config import Config
 from nanoinfer.engine.llm_engine import LLMEngine, PromptType
 from nanoinfer.outputs import RequestOutput
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -20,6 +25,7 @@ class LLM:
             from nanoinfer.default_model import default_model_path
             model = default_model_path()
         self.llm_engine = LLMEngine(Config(model, **kwargs))
+        self.request_counter = count()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -32,36 +38,54 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
+                                                and type(prompts[0]) is int):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a str, a list of token ids, a dict with 'prompt' or "
+                             f"'prompt_token_ids', or a list of these; got {type(prompts).__name__}")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+                isinstance(sp, SamplingParams) for sp in sampling_params):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
-        seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
-        for seq in seqs:
-            engine.add_sequence(seq)
-        outputs = {}
-        bar = tqdm(total=len(seqs), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        request_ids = []
         try:
-            while len(outputs) < len(seqs):
-                t = time.perf_counter()
-                finished = engine.step()
-                dt = time.perf_counter() - t
+            for prompt, params in zip(prompts, sampling_params):
+                request_ids.append(self.next_request_id())
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                engine.add_request(request_ids[-1], prompt, params)
+            return self.run_engine(request_ids, use_tqdm)
+        finally:   # on an exception, no request of this call stays queued
+            engine.abort_request(request_ids)
+
+    def next_request_id(self) -> str:
+        """A new id, never one of a live request (which a caller may have chosen)."""
+        while (request_id := str(next(self.request_counter))) in self.llm_engine.output_processor.requests:
+            pass
+        return request_id
+
+    def run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine, outputs = self.llm_engine, {}
+        wanted = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
+                   disable=not use_tqdm or not sys.stderr.isatty())
+        with bar:
+            while len(outputs) < len(request_ids):
+                start = time.perf_counter()
+                for out in engine.step():
+                    if out.request_id in wanted and out.finished:
+                        outputs[out.request_id] = out
+                        bar.update(1)
+                dt = time.perf_counter() - start
                 bar.set_postfix(prefill=f"{engine.num_prefill_tokens / dt:.0f} tok/s",
                                 decode=f"{engine.num_decode_tokens / dt:.0f} tok/s", refresh=False)
-                for out in finished:
-                    outputs[out.request_id] = out
-                bar.update(len(finished))
-        finally:
-            bar.close()
-            for seq in seqs:   # on an exception, no request of this call stays queued
-                if seq.request_id not in outputs:
-                    engine.abort_request(seq.request_id)
-        return [outputs[seq.request_id] for seq in seqs]
+        return [outputs[request_id] for request_id in request_ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -69,8 +93,14 @@ class LLM:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer; the engine was started with skip_tokenizer_init")
         prompts = []
-        for conversation in conversations:
+        for i, conversation in enumerate(conversations):
+            for j, message in enumerate(conversation if isinstance(conversation, list) else [conversation]):
+                if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
+                    raise ValueError(f"message {j} of conversation {i} must be a dict with 'role' and "
+                                     f"'content', got {message!r}")
             text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt)
             # the template already wrote any BOS: do not add special tokens again

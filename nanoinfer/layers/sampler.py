@@ -1,8 +1,14 @@
 """From logits to next tokens, one row per sequence, each with its own sampling parameters.
 
-Order of operations (vLLM's): logprobs are taken from the raw logits; then temperature, then the
-top-k / top-p / min-p masks, then a draw from the remaining distribution. Rows with
-temperature 0 take the argmax.
+Order of operations (vLLM's):
+1. Logprobs, when asked for, are the raw model's: log_softmax of the logits as they come.
+2. Logits processing. Tokens that may not be sampled yet are set to -inf (EOS and stop ids before
+   min_tokens). Then the penalties, from each row's tokens so far: repetition (for tokens of the
+   prompt or the output, a positive logit is divided by it, a negative one multiplied), frequency
+   (minus the penalty times the token's count in the output) and presence (minus the penalty if
+   the output has the token).
+3. Rows with temperature 0 take the argmax. Others: temperature, then the top-k / top-p / min-p
+   masks, then a random draw from what is left.
 
 The draw uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with
 probability p_i. Taken in log space, argmax(logits / T - log E), it needs no softmax, sort or
@@ -10,6 +16,8 @@ cumulative sum. Every row brings its own random seed (a seeded request's is deri
 seed and the token's index, so its output does not depend on which other requests share the
 batch). On a GPU the draw is one fused Triton kernel (`kernels/sampling.py`); on the CPU it is
 the same race in torch, one generator per row.
+
+Nothing here waits for the GPU: masks and penalties come as device tensors.
 """
 from dataclasses import dataclass
 
@@ -17,6 +25,16 @@ import torch
 from torch import nn
 
 from nanoinfer.kernels.sampling import gumbel_max_sample
+
+
+@dataclass
+class Penalties:
+    rows: torch.Tensor         # int64 [p]: the rows that have a penalty
+    token_ids: torch.Tensor    # int64 [p, L]: each one's tokens so far (prompt, output), padded with vocab_size
+    is_output: torch.Tensor    # bool [p, L]: which of them are output tokens
+    presence: torch.Tensor     # float32 [p]
+    frequency: torch.Tensor    # float32 [p]
+    repetition: torch.Tensor   # float32 [p]
 
 
 @dataclass
@@ -28,13 +46,32 @@ class SamplingMetadata:
     seeds: torch.Tensor                 # int64 [rows]: each row's random draw depends on its seed alone
     all_greedy: bool
     max_num_logprobs: int | None        # the most top-N logprobs any row asked for
+    blocked_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, token ids) masked out
+    penalties: Penalties | None = None
 
 
 @dataclass
 class SamplerOutput:
-    token_ids: torch.Tensor                   # int64 [rows]
-    logprobs: torch.Tensor | None = None      # [rows, 1 + N]: the sampled token's, then the top N
-    logprob_token_ids: torch.Tensor | None = None
+    sampled_token_ids: torch.Tensor                # int64 [rows, 1]: a row's tokens, in order
+    logprob_token_ids: torch.Tensor | None = None  # int64 [rows, 1 + N]: the sampled token, then the top N
+    logprobs: torch.Tensor | None = None           # float32 [rows, 1 + N]
+    sampled_token_ranks: torch.Tensor | None = None   # int64 [rows]: 1 = the most likely token
+
+
+def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
+    """Repetition, frequency and presence penalties, in place, on the rows that have them."""
+    vocab = logits.shape[1]
+    num_rows = pen.token_ids.shape[0]
+    output_ids = torch.where(pen.is_output, pen.token_ids, vocab)   # the padding column counts nothing
+    counts = torch.zeros(num_rows, vocab + 1, device=logits.device).scatter_add_(
+        1, output_ids, torch.ones_like(output_ids, dtype=torch.float32))[:, :vocab]
+    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device).scatter_(
+        1, pen.token_ids, True)[:, :vocab]
+    x = logits[pen.rows].float()
+    repetition = pen.repetition.unsqueeze(1)
+    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    x -= pen.frequency.unsqueeze(1) * counts + pen.presence.unsqueeze(1) * (counts > 0)
+    logits[pen.rows] = x.to(logits.dtype)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None,
@@ -73,21 +110,30 @@ def exponential_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: to
 class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        out = SamplerOutput(None)
-        if meta.max_num_logprobs is not None:
-            logprobs = logits.float().log_softmax(dim=-1)
-            top = logprobs.topk(meta.max_num_logprobs, dim=-1)
-        if meta.all_greedy:
-            out.token_ids = logits.argmax(dim=-1)
-        else:
-            temps = meta.temperatures
-            if meta.top_ks is not None or meta.top_ps is not None or meta.min_ps is not None:
-                logits = apply_top_k_top_p_min_p(logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1),
-                                                 meta.top_ks, meta.top_ps, meta.min_ps)
-                temps = (temps > 0).float()   # already applied
-            draw = gumbel_max_sample if logits.is_cuda else exponential_race
-            out.token_ids = draw(logits, temps, meta.seeds)
-        if meta.max_num_logprobs is not None:   # the first column is the token actually chosen
-            out.logprob_token_ids = torch.cat([out.token_ids.unsqueeze(1), top.indices], dim=1)
-            out.logprobs = torch.cat([logprobs.gather(1, out.token_ids.unsqueeze(1)), top.values], dim=1)
+        """Sample one token per row of `logits` ([rows, vocab], changed in place)."""
+        raw_logprobs = None if meta.max_num_logprobs is None else logits.float().log_softmax(dim=-1)
+        if meta.blocked_token_ids is not None:   # (a value on the device: a Python float would be copied over)
+            logits.index_put_(meta.blocked_token_ids, logits.new_full((), float("-inf")))
+        if meta.penalties is not None:
+            apply_penalties(logits, meta.penalties)
+        token_ids = self.sample(logits, meta).unsqueeze(1)
+        out = SamplerOutput(token_ids)
+        if raw_logprobs is not None:   # the first column is the token actually chosen
+            top = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
+            chosen = raw_logprobs.gather(1, token_ids)
+            out.logprob_token_ids = torch.cat([token_ids, top.indices], dim=1)
+            out.logprobs = torch.cat([chosen, top.values], dim=1)
+            out.sampled_token_ranks = (raw_logprobs >= chosen).sum(dim=-1)
         return out
+
+    @staticmethod
+    def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if meta.all_greedy:
+            return logits.argmax(dim=-1)
+        temps = meta.temperatures
+        if meta.top_ks is not None or meta.top_ps is not None or meta.min_ps is not None:
+            logits = apply_top_k_top_p_min_p(logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1),
+                                             meta.top_ks, meta.top_ps, meta.min_ps)
+            temps = (temps > 0).float()   # already applied
+        draw = gumbel_max_sample if logits.is_cuda else exponential_race
+        return draw(logits, temps, meta.seeds)

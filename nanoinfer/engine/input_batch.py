@@ -1,0 +1,181 @@
+"""The model runner's persistent batch: what it knows of each request, kept from step to step.
+
+vLLM's InputBatch, in small. Each request the runner holds owns a row of a few numpy arrays:
+`token_ids[row, :num_tokens[row]]` are its tokens known here (the prompt and the output so far),
+`block_table[row, :num_blocks[row]]` its blocks, `num_computed_tokens[row]` where this step's
+tokens start, and `sampling[row]` its sampling settings. `update` applies a step message
+(messages.py): a new request fills its row once, a running one appends only the tokens that
+became known and its new blocks. So the message stays small, and a step's inputs are a few
+vectorised gathers over the scheduled rows (`prepare_inputs`), not a Python loop over requests.
+
+The one token not known here is a decode's input that the previous step is still sampling (async
+scheduling): it is taken from that step's output on the device (`prev_sampled_token_ids`).
+"""
+import itertools
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from nanoinfer.attention import AttentionMetadata
+from nanoinfer.engine.messages import NewRequestData, SchedulerOutput
+from nanoinfer.layers.sampler import Penalties, SamplingMetadata
+
+SAMPLING_FIELDS = np.dtype([
+    ("temperature", np.float32), ("top_k", np.int64), ("top_p", np.float32), ("min_p", np.float32),
+    ("presence", np.float32), ("frequency", np.float32), ("repetition", np.float32),
+    ("seed", np.int64), ("seeded", np.bool_), ("min_tokens", np.int64), ("logprobs", np.int64)])
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The seed of a seeded request's output token number `index`: a hash of both, the same on
+    every machine and Python version."""
+    return xxhash.xxh64_intdigest(struct.pack("<qq", seed, index)) & (2**63 - 1)
+
+
+def append_rows(table: np.ndarray, counts: np.ndarray, rows: np.ndarray, values: list[list[int]]) -> None:
+    """Append values[i] to row rows[i] of `table`, after its counts[rows[i]] entries (vectorised)."""
+    lens = np.fromiter(map(len, values), np.int64, len(values))
+    if not lens.any():
+        return
+    which = np.repeat(rows, lens)
+    offsets = np.arange(len(which)) - np.repeat(np.cumsum(lens) - lens, lens)
+    table[which, counts[which] + offsets] = list(itertools.chain.from_iterable(values))
+    counts[rows] += lens
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor            # int64 [tokens]
+    positions: torch.Tensor            # int64 [tokens]
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor       # int64 [sampled]: the last token of each request that samples
+    sample_seq_ids: list[int]          # the requests that sample, in row order
+    sample_rows: np.ndarray            # their rows in the persistent batch
+    sample_ends: np.ndarray            # their token counts once this step is done
+
+
+class InputBatch:
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
+                 eos_token_ids: list[int], device: torch.device, seed: int):
+        self.block_size, self.vocab_size, self.eos_token_ids = block_size, vocab_size, eos_token_ids
+        self.device = device
+        self.rows: dict[int, int] = {}   # seq_id -> row
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)   # pages are touched as used
+        self.num_tokens = np.zeros(max_num_reqs, np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, np.int64)
+        self.block_table = np.zeros((max_num_reqs, -(-max_model_len // block_size)), np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, np.int64)
+        self.sampling = np.zeros(max_num_reqs, SAMPLING_FIELDS)
+        self.stop_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]   # blocked before min_tokens
+        self.rng = np.random.default_rng(seed)   # the seeds of unseeded requests' draws
+        self.prev_sampled_token_ids: torch.Tensor | None = None   # the last step's samples, on the device
+        self.prev_sample_index: dict[int, int] = {}               # seq_id -> its row in them
+
+    def update(self, sched: SchedulerOutput) -> None:
+        for seq_id in sched.finished_seq_ids | sched.preempted_seq_ids:
+            row = self.rows.pop(seq_id, None)
+            if row is not None:
+                self.free_rows.append(row)
+        for req in sched.scheduled_new_reqs:
+            self.add_request(req)
+        cached = sched.scheduled_cached_reqs
+        if cached.seq_ids:
+            rows = np.fromiter((self.rows[s] for s in cached.seq_ids), np.int64, len(cached.seq_ids))
+            append_rows(self.token_ids, self.num_tokens, rows, cached.new_token_ids)
+            append_rows(self.block_table, self.num_blocks, rows, cached.new_block_ids)
+            self.num_computed_tokens[rows] = cached.num_computed_tokens
+
+    def add_request(self, req: NewRequestData) -> None:
+        row = self.rows[req.seq_id] = self.free_rows.pop()
+        self.token_ids[row, :len(req.token_ids)] = req.token_ids
+        self.num_tokens[row], self.num_prompt_tokens[row] = len(req.token_ids), req.num_prompt_tokens
+        self.num_computed_tokens[row] = req.num_computed_tokens
+        self.block_table[row, :len(req.block_ids)] = req.block_ids
+        self.num_blocks[row] = len(req.block_ids)
+        p = req.sampling_params
+        self.sampling[row] = (p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                              p.repetition_penalty, p.seed or 0, p.seed is not None, p.min_tokens,
+                              -1 if p.logprobs is None else p.logprobs)
+        self.stop_ids[row] = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+
+    def to_device(self, dtype: type, *arrays) -> list[torch.Tensor]:
+        """Host arrays as device tensors of one dtype, in one copy: packed into one buffer (through
+        numpy: torch.tensor(list) costs about a microsecond per element), pinned, copied without
+        blocking, and cut into views."""
+        flat = [np.asarray(a, dtype=dtype).reshape(-1) for a in arrays]
+        buffer = torch.from_numpy(np.concatenate(flat))   # a copy: never a view of the batch
+        if self.device.type != "cpu":
+            buffer = buffer.pin_memory().to(self.device, non_blocking=True)
+        return [v.view(np.shape(a)) for v, a in zip(buffer.split([f.size for f in flat]), arrays)]
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        """The step as one flat batch: every scheduled request's new tokens back to back."""
+        bs, seq_ids = self.block_size, list(sched.num_scheduled_tokens)
+        rows = np.fromiter((self.rows[s] for s in seq_ids), np.int64, len(seq_ids))
+        num_new = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(seq_ids))
+        start = self.num_computed_tokens[rows]
+        end = start + num_new
+        cu_seqlens_q = np.concatenate([[0], np.cumsum(num_new)])
+        token_rows = np.repeat(rows, num_new)
+        positions = np.arange(cu_seqlens_q[-1]) + np.repeat(start - cu_seqlens_q[:-1], num_new)
+        slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        sample = end >= self.num_tokens[rows]   # the step reaches its last known token, or the one in flight
+        # an input still being sampled by the previous step is taken from that step's output
+        in_flight = np.flatnonzero(positions >= self.num_tokens[token_rows])
+        owners = np.searchsorted(cu_seqlens_q, in_flight, side="right") - 1
+        prev_index = [self.prev_sample_index[seq_ids[i]] for i in owners]
+        input_ids, positions, slot_mapping, logits_indices, in_flight, prev_index = self.to_device(
+            np.int64, self.token_ids[token_rows, positions], positions, slot_mapping, cu_seqlens_q[1:][sample] - 1,
+            in_flight, prev_index)
+        if len(in_flight):
+            input_ids[in_flight] = self.prev_sampled_token_ids[prev_index]
+        cu_seqlens_q, context_lens, block_tables = self.to_device(
+            np.int32, cu_seqlens_q, end, self.block_table[rows, :-(-end.max() // bs)])
+        meta = AttentionMetadata(cu_seqlens_q=cu_seqlens_q, context_lens=context_lens, slot_mapping=slot_mapping,
+                                 block_tables=block_tables, max_seqlen_q=int(num_new.max()))
+        return StepInputs(input_ids, positions, meta, logits_indices, [s for s, x in zip(seq_ids, sample) if x],
+                          rows[sample], end[sample])
+
+    def sampling_metadata(self, step: StepInputs) -> SamplingMetadata:
+        rows, ends = step.sample_rows, step.sample_ends
+        s = self.sampling[rows]
+        index = ends - self.num_prompt_tokens[rows]   # the output index of the token being sampled
+        seeds = self.rng.integers(2**63, size=len(rows))
+        for k in np.flatnonzero(s["seeded"]):
+            seeds[k] = token_seed(int(s["seed"][k]), int(index[k]))
+        blocked = [(k, t) for k in np.flatnonzero(index < s["min_tokens"]) for t in self.stop_ids[rows[k]]]
+        temperatures, top_ps, min_ps = self.to_device(np.float32, s["temperature"], s["top_p"], s["min_p"])
+        seeds, top_ks, blocked_t = self.to_device(np.int64, seeds, s["top_k"], np.reshape(blocked, (-1, 2)))
+        return SamplingMetadata(
+            temperatures=temperatures, top_ks=None if (s["top_k"] == 0).all() else top_ks,
+            top_ps=None if (s["top_p"] == 1).all() else top_ps, min_ps=None if (s["min_p"] == 0).all() else min_ps,
+            seeds=seeds, all_greedy=bool((s["temperature"] == 0).all()),
+            max_num_logprobs=int(s["logprobs"].max()) if (s["logprobs"] >= 0).any() else None,
+            blocked_token_ids=tuple(blocked_t.T) if blocked else None, penalties=self.penalties(step, s))
+
+    def penalties(self, step: StepInputs, s: np.ndarray) -> Penalties | None:
+        """Each penalised row's tokens so far. The last one may still be in flight on the host,
+        so it is taken from this step's input on the device (it is the row's last input token)."""
+        which = np.flatnonzero((s["presence"] != 0) | (s["frequency"] != 0) | (s["repetition"] != 1))
+        if not len(which):
+            return None
+        rows, ends = step.sample_rows[which], step.sample_ends[which]
+        cols = np.arange(ends.max())
+        token_ids = np.where(cols < (ends - 1)[:, None], self.token_ids[rows, :ends.max()], self.vocab_size)
+        token_ids, rows_t, last = self.to_device(np.int64, token_ids, which, ends - 1)
+        token_ids[torch.arange(len(which), device=self.device), last] = step.input_ids[step.logits_indices[rows_t]]
+        (is_output,) = self.to_device(np.bool_, cols >= self.num_prompt_tokens[rows][:, None])
+        presence, frequency, repetition = self.to_device(
+            np.float32, s["presence"][which], s["frequency"][which], s["repetition"][which])
+        return Penalties(rows_t, token_ids, is_output, presence, frequency, repetition)
+
+    def record_sampled(self, seq_ids: list[int], sampled_token_ids: torch.Tensor) -> None:
+        """Keep a step's samples on the device: the next step's decodes take their input from them."""
+        self.prev_sampled_token_ids = sampled_token_ids[:, -1]
+        self.prev_sample_index = {seq_id: row for row, seq_id in enumerate(seq_ids)}

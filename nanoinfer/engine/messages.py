@@ -1,0 +1,68 @@
+"""The two messages of a step between the scheduler and the model runner.
+
+`SchedulerOutput` goes in: what to compute. It holds plain data only (no `Sequence`, no tensor),
+so it pickles to a few KB and can be sent to workers in other processes (tensor and pipeline
+parallelism). A request is sent whole once, when it is first scheduled (and again when it resumes
+after a preemption, which made the runner forget it); after that, only what changed: the tokens
+that became known, the blocks appended to its table, and where this step's tokens start. The
+runner keeps everything else in its persistent batch (`input_batch.py`).
+
+A step computes positions `[num_computed_tokens, num_computed_tokens + num_scheduled_tokens)` of
+each scheduled request, in the order of `num_scheduled_tokens`. The runner samples a request when
+its step reaches the end of its known tokens. With async scheduling the input of a decode may be a
+token the previous step is still sampling: the message cannot carry it, and the runner takes it
+from that step's output on the device.
+
+`ModelRunnerOutput` comes back: for each sampled request, the tokens it produced (one today; a
+row may carry several once speculative decoding verifies k+1 positions at once).
+"""
+from dataclasses import dataclass, field
+
+from nanoinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    seq_id: int
+    token_ids: list[int]          # every known token: the prompt, and the output so far when resumed
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int      # before this step: the prefix found in the cache
+
+
+@dataclass
+class CachedRequestData:
+    """The requests the runner already holds, one column per field."""
+    seq_ids: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)   # known since it was last sent
+    new_block_ids: list[list[int]] = field(default_factory=list)   # appended to its block table
+    num_computed_tokens: list[int] = field(default_factory=list)   # before this step
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[int, int] = field(default_factory=dict)   # seq_id -> tokens; step order
+    finished_seq_ids: set[int] = field(default_factory=set)    # finished or aborted since the last step
+    preempted_seq_ids: set[int] = field(default_factory=set)   # preempted by this step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class LogprobsLists:
+    """One row per sampled token: the token itself first, then the top N (N = the most any row asked)."""
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]   # the sampled token's rank in the whole vocabulary (1 = the top)
+
+
+@dataclass
+class ModelRunnerOutput:
+    seq_ids: list[int] = field(default_factory=list)                   # the sampled requests
+    sampled_token_ids: list[list[int]] = field(default_factory=list)   # each one's new tokens, in order
+    logprobs: LogprobsLists | None = None

@@ -1,0 +1,148 @@
+"""From the engine core's token updates to what the caller sees: text, logprobs, RequestOutputs.
+
+This is the front end's half of a step (in a server it runs in the API process, away from the
+GPU loop). For every sequence the step gave tokens, its `CompletionState` appends them, decodes
+them incrementally (`detokenizer.py`), looks for stop strings and turns logprobs into `Logprob`
+objects. Then each touched request makes its `RequestOutput` as its `output_kind` asks:
+everything so far (CUMULATIVE), only what is new since the last one (DELTA), or nothing until
+it finishes (FINAL_ONLY).
+
+A request with n > 1 samples is one `RequestState` with n completions, each run by the engine as a
+sequence of its own; it finishes when all of them have.
+"""
+import time
+
+from transformers import PreTrainedTokenizerBase
+
+from nanoinfer.engine.detokenizer import IncrementalDetokenizer
+from nanoinfer.engine.scheduler import EngineCoreOutput
+from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
+
+
+class CompletionState:
+    """One sample of a request, as returned: its tokens, text and logprobs, and how much of them
+    was already returned (for DELTA outputs)."""
+
+    def __init__(self, index: int, params: SamplingParams, prompt_token_ids: list[int],
+                 tokenizer: PreTrainedTokenizerBase | None):
+        self.index, self.params, self.tokenizer = index, params, tokenizer
+        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = None if params.logprobs is None else []
+        self.cumulative_logprob = None if params.logprobs is None else 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_returned_tokens = self.num_returned_chars = 0
+
+    def update(self, out: EngineCoreOutput) -> str | None:
+        """Take one step's tokens; returns a stop string that now ends the sample, if any."""
+        self.token_ids += out.new_token_ids
+        self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        for token_ids, logprobs, rank in out.new_logprobs or ():
+            self.cumulative_logprob += logprobs[0]
+            entry = {token_ids[0]: Logprob(logprobs[0], rank, self.decode(token_ids[0]))}
+            for r, (t, lp) in enumerate(zip(token_ids[1:self.params.logprobs + 1], logprobs[1:]), start=1):
+                entry.setdefault(t, Logprob(lp, r, self.decode(t)))
+            self.logprobs.append(entry)
+        if self.detokenizer is None:
+            return None
+        new_token_ids = out.new_token_ids
+        if out.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]   # the EOS or stop token that ended it is not text
+        stop_string = self.detokenizer.update(new_token_ids, out.finish_reason is not None)
+        if stop_string is not None:
+            self.finish_reason, self.stop_reason = "stop", stop_string
+        return stop_string
+
+    def decode(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def completion(self, delta: bool) -> CompletionOutput:
+        finished = self.finish_reason is not None
+        text = self.detokenizer.visible_text(finished) if self.detokenizer else ""
+        token_ids, logprobs = self.token_ids, self.logprobs
+        if delta:
+            text, token_ids = text[self.num_returned_chars:], token_ids[self.num_returned_tokens:]
+            logprobs = None if logprobs is None else logprobs[self.num_returned_tokens:]
+            self.num_returned_chars += len(text)
+            self.num_returned_tokens += len(token_ids)
+        return CompletionOutput(index=self.index, text=text, token_ids=list(token_ids),
+                                cumulative_logprob=self.cumulative_logprob,
+                                logprobs=None if logprobs is None else list(logprobs),
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+
+
+class RequestState:
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 output_kind: RequestOutputKind, completions: list[CompletionState], seq_ids: list[int]):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.output_kind, self.completions, self.seq_ids = output_kind, completions, seq_ids
+        self.metrics = RequestMetrics(arrival_time=time.time())
+        self.num_cached_tokens = 0
+        self.updated: set[int] = set()   # completions with news since the last output
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def make_output(self) -> RequestOutput | None:
+        finished = self.finished
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = self.output_kind == RequestOutputKind.DELTA
+        completions = [c.completion(delta) for c in self.completions if not delta or c.index in self.updated]
+        self.updated.clear()
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
+                             self.num_cached_tokens, self.metrics)
+
+
+class OutputProcessor:
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.seqs: dict[int, tuple[RequestState, CompletionState]] = {}   # seq_id -> its request, sample
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: list[SamplingParams], seq_ids: list[int]) -> None:
+        """`params` and `seq_ids`: one per sample."""
+        completions = [CompletionState(i, p, prompt_token_ids, self.tokenizer) for i, p in enumerate(params)]
+        state = RequestState(request_id, prompt, prompt_token_ids, params[0].output_kind, completions, seq_ids)
+        self.requests[request_id] = state
+        for seq_id, completion in zip(seq_ids, completions):
+            self.seqs[seq_id] = state, completion
+
+    def remove_request(self, request_id: str) -> list[int]:
+        """Forget a request (aborted); returns its sequences' ids."""
+        state = self.requests.pop(request_id)
+        for seq_id in state.seq_ids:
+            self.seqs.pop(seq_id, None)
+        return state.seq_ids
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[int, str]]]:
+        """The step's RequestOutputs, and the sequences that a stop string ended (seq_id, string)."""
+        touched, stopped, now = {}, [], time.time()
+        for out in core_outputs:
+            state, completion = self.seqs[out.seq_id]
+            stop_string = completion.update(out)
+            if stop_string is not None and out.finish_reason is None:
+                stopped.append((out.seq_id, stop_string))
+            if completion.finish_reason is not None:
+                del self.seqs[out.seq_id]
+            if out.new_token_ids:
+                state.metrics.first_token_time = state.metrics.first_token_time or now
+                state.metrics.last_token_time = now
+            if completion.index == 0:
+                state.num_cached_tokens = out.num_cached_tokens
+            state.updated.add(completion.index)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            if state.finished:
+                state.metrics.finished_time = now
+                del self.requests[state.request_id]
+            if (output := state.make_output()) is not None:
+                outputs.append(output)
+        return outputs, stopped

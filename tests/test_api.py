@@ -1,0 +1,223 @@
+"""The engine's API contracts: request ids, incremental outputs, aborts, errors inside a step, and
+the defects a review found in them (each test here failed before its fix)."""
+import math
+
+import pytest
+import xxhash
+
+from conftest import VOCAB_SIZE, hf_logits, random_prompts
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.engine.input_batch import token_seed
+from nanoinfer.engine.llm_engine import EngineDeadError
+from nanoinfer.sampling_params import RequestOutputKind
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(llama_dir, max_model_len=128)
+
+
+def drain(engine) -> dict:
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def test_logprobs_are_bounded_by_max_logprobs(llama_dir, llm):
+    """logprobs larger than the vocabulary used to pass validation and break the step (and, after
+    an abort, the next step too): now it is rejected when added, and the engine runs on."""
+    for n, engine_max in ((21, 20), (VOCAB_SIZE + 1, 10**6)):
+        with pytest.raises(ValueError, match="logprobs"):
+            LLM(llama_dir, max_logprobs=engine_max).generate([5, 6], SamplingParams(logprobs=n), use_tqdm=False)
+    with pytest.raises(ValueError, match=f"logprobs={VOCAB_SIZE + 1}"):
+        llm.generate([[5, 6], [7, 8]], [GREEDY, SamplingParams(logprobs=VOCAB_SIZE + 1)], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate([5, 6], SamplingParams(temperature=0, max_tokens=3, logprobs=20), use_tqdm=False)[0]
+    assert all(len(entry) in (20, 21) for entry in out.outputs[0].logprobs)
+
+
+def test_generate_collects_only_its_own_requests(llm):
+    engine = llm.llm_engine
+    engine.add_request("other", [9, 10, 11], SamplingParams(temperature=0, max_tokens=1))
+    prompts = random_prompts([4, 6], seed=60)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8] and "other" not in [o.request_id for o in outs]
+    assert outs[0].outputs[0].token_ids == llm.generate(prompts[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_request_ids_are_unique_among_live_requests(llm):
+    engine = llm.llm_engine
+    next_id = str(int(llm.next_request_id()) + 1)   # the id generate would take next
+    engine.add_request(next_id, [5, 6, 7], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(next_id, [5, 6], GREEDY)
+    out = llm.generate([8, 9], GREEDY, use_tqdm=False)[0]
+    assert out.request_id != next_id
+    assert len(drain(engine)[next_id][-1].outputs[0].token_ids) == 40   # the caller's request was not touched
+    for bad in ("", 5, None):
+        with pytest.raises(ValueError, match="request_id"):
+            engine.add_request(bad, [5], GREEDY)
+
+
+def test_abort_takes_one_id_or_many(llm):
+    engine = llm.llm_engine
+    for request_id in "abc":
+        engine.add_request(request_id, [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort_request("a")
+    engine.abort_request(iter(["b", "c", "never-added"]))
+    assert not engine.has_unfinished_requests() or not engine.scheduler.requests
+    drain(engine)
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == len(bm.blocks)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_delta_and_cumulative_outputs(llama_dir, async_scheduling):
+    """DELTA outputs add up to the final output; CUMULATIVE ones grow to it. Text that may be the
+    start of a stop string is held back, so no output ever shows a piece of the stop string."""
+    llm = LLM(llama_dir, async_scheduling=async_scheduling)
+    prompt = random_prompts([10], seed=61)[0]
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    text, tokens = full[0].outputs[0].text, full[0].outputs[0].token_ids
+    # a stop string across a token boundary: its first half is text before its second half is
+    ends = [len(llm.get_tokenizer().decode(tokens[:k])) for k in range(1, len(tokens))]
+    boundary = next(e for e in ends if e >= len(text) // 2 and text[e - 2:e + 2] not in text[:e - 2])
+    stop = text[boundary - 2:boundary + 2]
+    params = SamplingParams(temperature=0, max_tokens=30, stop=[stop], logprobs=1)
+    final = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    engine = llm.llm_engine
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=30, stop=[stop], logprobs=1,
+                                                       output_kind=kind))
+        outs = drain(engine)["r"]
+        assert len(outs) > 3 and [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        texts = [o.outputs[0].text for o in outs]
+        if kind == RequestOutputKind.DELTA:
+            texts = ["".join(texts[:i + 1]) for i in range(len(texts))]
+        assert all(final.text.startswith(t) for t in texts) and texts[-1] == final.text   # never a piece of stop
+        if kind == RequestOutputKind.DELTA:
+            assert sum((o.outputs[0].token_ids for o in outs), []) == final.token_ids
+            assert sum(len(o.outputs[0].logprobs) for o in outs) == len(final.token_ids)
+        else:
+            assert outs[-1].outputs[0].token_ids == final.token_ids
+        assert (outs[-1].outputs[0].finish_reason, outs[-1].outputs[0].stop_reason) == ("stop", stop)
+
+
+def test_include_stop_str_in_output(llm):
+    prompt = random_prompts([10], seed=62)[0]
+    text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    stop = text[12:15]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=stop,
+                                              include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:text.index(stop) + len(stop)] and out.stop_reason == stop
+
+
+def test_max_tokens_none_runs_to_the_end_of_the_context(llama_dir):
+    llm = LLM(llama_dir, max_model_len=40)
+    out = llm.generate([5] * 10, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 30 and out[0].outputs[0].finish_reason == "length"
+
+
+def test_logprob_objects_cumulative_logprob_and_metrics(llm):
+    out = llm.generate([5, 6, 7], SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True,
+                                                 logprobs=3), use_tqdm=False)[0]
+    completion, tokenizer = out.outputs[0], llm.get_tokenizer()
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert token in entry and sorted(lp.rank for t, lp in entry.items() if t != token)[:3] == [1, 2, 3][
+            :len(entry) - 1]
+        assert entry[token].decoded_token == tokenizer.decode([token])
+    assert math.isclose(completion.cumulative_logprob, sum(e[t].logprob for t, e in
+                                                           zip(completion.token_ids, completion.logprobs)))
+    m = out.metrics
+    assert m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    assert llm.generate([5, 6], GREEDY, use_tqdm=False)[0].outputs[0].cumulative_logprob is None
+
+
+def test_n_samples_share_the_prompt_blocks(llm):
+    """n samples of one prompt are n sequences; admitted in one step, the later ones hit the
+    first one's prompt blocks in the prefix cache (its K/V is written before any attention reads
+    it), so the prompt is computed once."""
+    engine, prompt = llm.llm_engine, random_prompts([40], seed=63)[0]
+    engine.add_request("n", prompt, SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=6, ignore_eos=True))
+    engine.step()
+    tables = [seq.block_table for seq in engine.scheduler.running]
+    assert len(tables) == 3 and tables[0][:2] == tables[1][:2] == tables[2][:2]
+    outs = drain(engine)["n"]
+    assert [c.index for c in outs[-1].outputs] == [0, 1, 2]
+    for c in outs[-1].outputs:   # sample i is the request with seed 5 + i
+        alone = llm.generate(prompt, SamplingParams(temperature=0.9, seed=5 + c.index, max_tokens=6,
+                                                    ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        assert c.token_ids == alone.token_ids
+    greedy = llm.generate(prompt, SamplingParams(n=2, temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+
+
+def test_seeds_are_hashed_stably(llm):
+    """hash((seed, index)) gave seed -1 and -2 the same draws and varies across Pythons; the
+    per-token seed is now xxhash64 over the two as little-endian int64s."""
+    assert token_seed(-1, 0) != token_seed(-2, 0)
+    assert token_seed(12345, 7) == xxhash.xxh64_intdigest((12345).to_bytes(8, "little") + bytes([7] + [0] * 7)) \
+        & (2**63 - 1)
+    outs = [llm.generate([5, 6, 7], SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids for s in (-1, -2, -1)]
+    assert outs[0] != outs[1] and outs[0] == outs[2]
+
+
+def test_logprobs_are_the_raw_models_under_min_tokens(llama_dir, llm):
+    """min_tokens used to write -inf into the logits the logprobs were taken from."""
+    prompt = random_prompts([12], seed=64)[0]
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[0]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, min_tokens=2, stop_token_ids=[first],
+                                              logprobs=2), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[0] != first   # it could not be sampled ...
+    raw = hf_logits(llama_dir, prompt).log_softmax(-1)[-1]
+    assert out.logprobs[0][first].rank == 1   # ... but its logprob is still the model's
+    assert math.isclose(out.logprobs[0][first].logprob, raw[first].item(), abs_tol=1e-4)
+
+
+def test_a_waiting_prompt_is_hashed_once(llama_dir, monkeypatch):
+    """Each block of a prompt is hashed once, when its tokens become known, not on every
+    schedule() while it waits."""
+    llm = LLM(llama_dir, num_kvcache_blocks=8, max_model_len=128)
+    engine = llm.llm_engine
+    engine.add_request("long", random_prompts([100], seed=65)[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    calls = []
+    for name in ("xxh64", "xxh3_128"):
+        original = getattr(xxhash, name)
+        monkeypatch.setattr(xxhash, name, lambda *a, original=original: calls.append(1) or original(*a))
+    engine.add_request("waits", random_prompts([64], seed=66)[0], SamplingParams(max_tokens=2))
+    assert len(calls) == 4   # its 4 full blocks
+    for _ in range(5):
+        engine.step()
+    assert engine.scheduler.waiting and len(calls) <= 4 + 2   # the running one may fill a block or two
+    engine.abort_request(["long", "waits"])
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_an_error_in_a_step_kills_the_engine_clearly(llama_dir, async_scheduling):
+    """An exception inside a step used to leave that step's requests stuck for ever: now the engine
+    is dead, and every later call says so instead of looping or running on."""
+    llm = LLM(llama_dir, async_scheduling=async_scheduling)
+    engine = llm.llm_engine
+    execute_model, calls = engine.model_runner.execute_model, []
+
+    def failing(sched):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the GPU fell off the bus")
+        return execute_model(sched)
+    engine.model_runner.execute_model = failing
+    with pytest.raises(RuntimeError, match="fell off the bus"):
+        llm.generate(random_prompts([5, 9], seed=67), GREEDY, use_tqdm=False)
+    for call in (engine.step, engine.has_unfinished_requests, lambda: engine.add_request("x", [5], GREEDY),
+                 lambda: llm.generate([5], GREEDY, use_tqdm=False)):
+        with pytest.raises(EngineDeadError, match="fell off the bus"):
+            call()
+    engine.abort_request("x")   # a no-op, not an error: a finally block may call it
