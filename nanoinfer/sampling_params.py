@@ -79,7 +79,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below 1e-5 sample greedily, as in vLLM (logits / T would overflow)."""
+        return self.temperature < 1e-5
 
 
 def _integer(value) -> bool:

@@ -221,3 +221,39 @@ def test_an_error_in_a_step_kills_the_engine_clearly(llama_dir, async_scheduling
         with pytest.raises(EngineDeadError, match="fell off the bus"):
             call()
     engine.abort_request("x")   # a no-op, not an error: a finally block may call it
+
+
+def test_ctrl_c_in_a_step_aborts_everything_and_keeps_the_engine(llama_dir):
+    llm = LLM(llama_dir)
+    engine, prompts = llm.llm_engine, random_prompts([5, 40], seed=68)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.reset_prefix_cache()
+    execute_model, calls = engine.model_runner.execute_model, []
+
+    def interrupted(sched):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return execute_model(sched)
+    engine.model_runner.execute_model = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert not engine.has_unfinished_requests() and not engine.model_runner.input_batch.rows
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == len(bm.blocks) and not bm.hash_to_block   # nothing half-computed is cached
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+
+
+def test_the_engine_keeps_its_own_copy_of_the_params(llm):
+    engine, params = llm.llm_engine, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("copy", [5, 6, 7], params)
+    params.max_tokens, params.stop_token_ids = 2, list(range(512))
+    assert len(drain(engine)["copy"][-1].outputs[0].token_ids) == 6
+
+
+def test_odd_but_valid_seeds_and_temperatures(llm):
+    out = llm.generate([5, 6], SamplingParams(n=2, seed=2**63 - 1, max_tokens=4), use_tqdm=False)[0]
+    assert len(out.outputs) == 2
+    greedy = llm.generate([5, 6], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    tiny = llm.generate([5, 6], SamplingParams(temperature=1e-30, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert tiny[0].outputs[0].token_ids == greedy   # below 1e-5 it is greedy, as in vLLM

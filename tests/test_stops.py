@@ -1,7 +1,9 @@
 """Stop conditions: EOS (lists too), stop token ids, stop strings, max_tokens, max_model_len,
 min_tokens; and incremental detokenization across multi-byte characters."""
+import dataclasses
+
 from conftest import copy_model, make_tokenizer, random_prompts
-from nanoinfer import LLM, SamplingParams
+from nanoinfer import LLM, RequestOutputKind, SamplingParams
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
 
 PROMPT = random_prompts([10], seed=11)[0]
@@ -73,3 +75,39 @@ def test_detokenization_across_multibyte_characters():
         detok.update([token], finished=False)
         assert "\ufffd" not in detok.output_text
     assert detok.output_text == text
+
+
+def stream(llm: LLM, params: SamplingParams) -> list[str]:
+    """The texts a DELTA stream returns, step by step, joined up to each step."""
+    engine, texts = llm.llm_engine, [""]
+    engine.add_request("s", PROMPT, dataclasses.replace(params, output_kind=RequestOutputKind.DELTA))
+    while engine.has_unfinished_requests():
+        texts += [texts[-1] + out.outputs[0].text for out in engine.step()]
+    return texts
+
+
+def test_a_stream_never_shows_text_that_a_stop_string_cuts(llama_dir):
+    """While a request runs, text that may be the start of a stop string is held back, also when
+    the text so far is shorter than the stop string."""
+    llm = LLM(llama_dir)
+    text = free_run(llm, 30).outputs[0].text
+    for stops in ([text[:k]] + ["q" * n] * bool(n) for k in range(3, 10) for n in (0, 2 * k - 3)):
+        params = SamplingParams(temperature=0, max_tokens=30, stop=stops)
+        final = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
+        texts = stream(llm, params)
+        assert texts[-1] == final and all(final.startswith(t) for t in texts)
+
+
+def test_each_stop_string_is_searched_only_where_new_text_completes_it(llama_dir):
+    """A short stop string that appeared while min_tokens held the stops back is not found later
+    because a longer stop string widens the search."""
+    llm = LLM(llama_dir)
+    text = free_run(llm, 30).outputs[0].text
+    for min_tokens in range(1, 8):
+        params = SamplingParams(temperature=0, max_tokens=30, min_tokens=min_tokens, stop=[text[1:3]])
+        alone = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+        with_long = llm.generate(PROMPT, dataclasses.replace(params, stop=[text[1:3], "qqqqqqqqqqqq"]),
+                                 use_tqdm=False)[0].outputs[0]
+        assert (with_long.token_ids, with_long.text) == (alone.token_ids, alone.text)
+        assert all(t.startswith(with_long.text[:len(t)]) or with_long.text.startswith(t)
+                   for t in stream(llm, dataclasses.replace(params, stop=[text[1:3], "qqqqqqqqqqqq"])))

@@ -57,7 +57,8 @@ class BlockManager:
             computed.append(block_id)
         return computed
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> list[int] | None:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed_blocks: list[int] = ()) -> list[int] | None:
         """Give `seq` blocks for `num_new_tokens` more tokens, starting with the cached
         `computed_blocks` on first admission. Returns the blocks appended to its table (often
         none: a decode usually fits in the blocks it has), or None when they do not fit; then

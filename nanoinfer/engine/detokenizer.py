@@ -44,9 +44,8 @@ class IncrementalDetokenizer:
         self.output_text += delta
         if not self.params.stop or self.num_output_tokens <= self.params.min_tokens:
             return None
-        search_from = max(len(self.output_text) - len(delta) - self.max_stop_len + 1, 0)
-        for stop in self.params.stop:
-            idx = self.output_text.find(stop, search_from)
+        for stop in self.params.stop:   # only where the new text could have completed it
+            idx = self.output_text.find(stop, max(len(self.output_text) - len(delta) - len(stop) + 1, 0))
             if idx != -1:
                 end = idx + len(stop) if self.params.include_stop_str_in_output else idx
                 self.output_text = self.output_text[:end]
@@ -57,4 +56,4 @@ class IncrementalDetokenizer:
         """The text that may be returned now: while a stop string could still be completing at
         its end, its possible beginning (up to the longest stop string but one) is held back."""
         hold = 0 if finished or self.params.include_stop_str_in_output else max(self.max_stop_len - 1, 0)
-        return self.output_text[:len(self.output_text) - hold]
+        return self.output_text[:max(len(self.output_text) - hold, 0)]

@@ -63,8 +63,6 @@ class InputBatch:
                  eos_token_ids: list[int], device: torch.device, seed: int):
         self.block_size, self.vocab_size, self.eos_token_ids = block_size, vocab_size, eos_token_ids
         self.device = device
-        self.rows: dict[int, int] = {}   # seq_id -> row
-        self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)   # pages are touched as used
         self.num_tokens = np.zeros(max_num_reqs, np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int64)
@@ -74,6 +72,11 @@ class InputBatch:
         self.sampling = np.zeros(max_num_reqs, SAMPLING_FIELDS)
         self.stop_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]   # blocked before min_tokens
         self.rng = np.random.default_rng(seed)   # the seeds of unseeded requests' draws
+        self.clear()
+
+    def clear(self) -> None:
+        self.rows: dict[int, int] = {}   # seq_id -> row
+        self.free_rows = list(range(len(self.num_tokens) - 1, -1, -1))
         self.prev_sampled_token_ids: torch.Tensor | None = None   # the last step's samples, on the device
         self.prev_sample_index: dict[int, int] = {}               # seq_id -> its row in them
 
@@ -99,7 +102,7 @@ class InputBatch:
         self.block_table[row, :len(req.block_ids)] = req.block_ids
         self.num_blocks[row] = len(req.block_ids)
         p = req.sampling_params
-        self.sampling[row] = (p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+        self.sampling[row] = (0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
                               p.repetition_penalty, p.seed or 0, p.seed is not None, p.min_tokens,
                               -1 if p.logprobs is None else p.logprobs)
         self.stop_ids[row] = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
@@ -131,8 +134,8 @@ class InputBatch:
         owners = np.searchsorted(cu_seqlens_q, in_flight, side="right") - 1
         prev_index = [self.prev_sample_index[seq_ids[i]] for i in owners]
         input_ids, positions, slot_mapping, logits_indices, in_flight, prev_index = self.to_device(
-            np.int64, self.token_ids[token_rows, positions], positions, slot_mapping, cu_seqlens_q[1:][sample] - 1,
-            in_flight, prev_index)
+            np.int64, self.token_ids[token_rows, positions], positions, slot_mapping,
+            cu_seqlens_q[1:][sample] - 1, in_flight, prev_index)
         if len(in_flight):
             input_ids[in_flight] = self.prev_sampled_token_ids[prev_index]
         cu_seqlens_q, context_lens, block_tables = self.to_device(
@@ -152,10 +155,10 @@ class InputBatch:
         blocked = [(k, t) for k in np.flatnonzero(index < s["min_tokens"]) for t in self.stop_ids[rows[k]]]
         temperatures, top_ps, min_ps = self.to_device(np.float32, s["temperature"], s["top_p"], s["min_p"])
         seeds, top_ks, blocked_t = self.to_device(np.int64, seeds, s["top_k"], np.reshape(blocked, (-1, 2)))
-        return SamplingMetadata(
+        return SamplingMetadata(   # a mask no row uses is left out
             temperatures=temperatures, top_ks=None if (s["top_k"] == 0).all() else top_ks,
-            top_ps=None if (s["top_p"] == 1).all() else top_ps, min_ps=None if (s["min_p"] == 0).all() else min_ps,
-            seeds=seeds, all_greedy=bool((s["temperature"] == 0).all()),
+            top_ps=None if (s["top_p"] == 1).all() else top_ps,
+            min_ps=None if (s["min_p"] == 0).all() else min_ps, seeds=seeds, all_greedy=bool((s["temperature"] == 0).all()),
             max_num_logprobs=int(s["logprobs"].max()) if (s["logprobs"] >= 0).any() else None,
             blocked_token_ids=tuple(blocked_t.T) if blocked else None, penalties=self.penalties(step, s))
 
@@ -169,7 +172,8 @@ class InputBatch:
         cols = np.arange(ends.max())
         token_ids = np.where(cols < (ends - 1)[:, None], self.token_ids[rows, :ends.max()], self.vocab_size)
         token_ids, rows_t, last = self.to_device(np.int64, token_ids, which, ends - 1)
-        token_ids[torch.arange(len(which), device=self.device), last] = step.input_ids[step.logits_indices[rows_t]]
+        last_input = step.input_ids[step.logits_indices[rows_t]]
+        token_ids[torch.arange(len(which), device=self.device), last] = last_input
         (is_output,) = self.to_device(np.bool_, cols >= self.num_prompt_tokens[rows][:, None])
         presence, frequency, repetition = self.to_device(
             np.float32, s["presence"][which], s["frequency"][which], s["repetition"][which])

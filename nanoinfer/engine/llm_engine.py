@@ -14,8 +14,10 @@ one is rejected with a clear error before it is queued and never disturbs the ot
 request-level error can arise inside a step. An exception inside a step (a bug, the GPU failing)
 leaves the engine dead: the step's requests and every other one are lost, and every later call
 raises `EngineDeadError` saying why, instead of running on from a state nobody can vouch for.
+Ctrl-C (KeyboardInterrupt) inside a step aborts every request and keeps the engine usable.
 """
 import atexit
+import copy
 import dataclasses
 import gc
 from collections import deque
@@ -26,7 +28,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.messages import SchedulerOutput
 from nanoinfer.engine.model_runner import AsyncModelRunnerOutput, ModelRunner
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.engine.scheduler import Scheduler
@@ -51,7 +52,7 @@ class LLMEngine:
                                      config.enable_prefix_caching)
         self.scheduler = Scheduler(config, block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.in_flight: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()   # launched steps
+        self.in_flight: deque[AsyncModelRunnerOutput] = deque()   # the outputs of launched steps
         self.seq_counter = count()
         self.error: BaseException | None = None   # what killed the engine, if anything did
         self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for progress bars
@@ -72,12 +73,14 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = copy.deepcopy(params)   # the caller may change or reuse theirs
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
         max_tokens = params.max_tokens or self.config.max_model_len - len(token_ids)
-        children = [params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+        children = [params if params.seed is None else dataclasses.replace(params, seed=wrap64(params.seed + i))
                     for i in range(params.n)]   # the samples of n > 1: seeds seed, seed + 1, ...
-        seqs = [Sequence(next(self.seq_counter), token_ids, p, max_tokens, self.config.block_size) for p in children]
+        seqs = [Sequence(next(self.seq_counter), token_ids, p, max_tokens, self.config.block_size)
+                for p in children]
         self.output_processor.add_request(request_id, text, token_ids, children, [s.seq_id for s in seqs])
         for seq in seqs:
             self.scheduler.add(seq)
@@ -142,27 +145,42 @@ class LLMEngine:
         self.check_alive()
         try:
             return self._step()
+        except KeyboardInterrupt:   # the user stopped it: drop every request, keep the engine
+            self.abort_all()
+            raise
         except BaseException as e:
             self.error = e
             self.in_flight.clear()
             raise
 
+    def abort_all(self) -> None:
+        """Abort every request. A step cut off half-way may have entered blocks in the prefix
+        cache whose keys and values were never computed, so the prefix cache is emptied too."""
+        self.in_flight.clear()
+        self.abort_request(list(self.output_processor.requests))
+        self.scheduler.block_manager.reset_prefix_cache()
+        self.model_runner.reset()   # it may have missed the step's message
+
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.model_runner.execute_model(sched)
-        self.in_flight.append((sched, self.model_runner.sample_tokens()))
+        self.in_flight.append(self.model_runner.sample_tokens())
         self.num_prefill_tokens = sum(n for n in sched.num_scheduled_tokens.values() if n > 1)
         self.num_decode_tokens = sum(1 for n in sched.num_scheduled_tokens.values() if n == 1)
         core_outputs = []
         # async scheduling leaves the step just launched in flight and finishes the one before
         keep = 1 if self.config.async_scheduling and sched.num_scheduled_tokens else 0
         while len(self.in_flight) > keep:
-            done, pending = self.in_flight.popleft()
-            core_outputs += self.scheduler.update_from_output(done, pending.get_output())
+            core_outputs += self.scheduler.update_from_output(self.in_flight.popleft().get_output())
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         for seq_id, stop_string in stopped:
             self.scheduler.finish(self.scheduler.requests[seq_id], "stop", stop_string)
         return outputs
+
+
+def wrap64(x: int) -> int:
+    """x as a signed 64-bit integer (wrapping around)."""
+    return (x + 2**63) % 2**64 - 2**63
 
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase:

@@ -49,8 +49,9 @@ class AsyncModelRunnerOutput:
             self.copied.synchronize()
         out = ModelRunnerOutput(self.seq_ids, self.sampled.sampled_token_ids.tolist())
         if self.sampled.logprobs is not None:
-            out.logprobs = LogprobsLists(self.sampled.logprob_token_ids.tolist(), self.sampled.logprobs.tolist(),
-                                         self.sampled.sampled_token_ranks.tolist())
+            s = self.sampled
+            out.logprobs = LogprobsLists(s.logprob_token_ids.tolist(), s.logprobs.tolist(),
+                                         s.sampled_token_ranks.tolist())
         return out
 
 
@@ -145,13 +146,19 @@ class ModelRunner:
         self.sampler(logits, SamplingMetadata(
             temperatures=torch.ones(rows, device=self.device), top_ks=None,
             top_ps=torch.full((rows,), 0.9, device=self.device), min_ps=None,
-            seeds=torch.zeros(rows, dtype=torch.int64, device=self.device), all_greedy=False, max_num_logprobs=None))
+            seeds=torch.zeros(rows, dtype=torch.int64, device=self.device), all_greedy=False,
+            max_num_logprobs=None))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del hidden_states, logits
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         return total * self.config.gpu_memory_utilization - (total - free) - peak
+
+    def reset(self) -> None:
+        """Forget every request (the engine aborted them all)."""
+        self.input_batch.clear()
+        self.pending = None
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> None:

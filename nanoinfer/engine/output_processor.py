@@ -27,7 +27,9 @@ class CompletionState:
     def __init__(self, index: int, params: SamplingParams, prompt_token_ids: list[int],
                  tokenizer: PreTrainedTokenizerBase | None):
         self.index, self.params, self.tokenizer = index, params, tokenizer
-        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self.detokenizer = None
+        if tokenizer is not None:
+            self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = None if params.logprobs is None else []
         self.cumulative_logprob = None if params.logprobs is None else 0.0
@@ -109,7 +111,8 @@ class OutputProcessor:
                     params: list[SamplingParams], seq_ids: list[int]) -> None:
         """`params` and `seq_ids`: one per sample."""
         completions = [CompletionState(i, p, prompt_token_ids, self.tokenizer) for i, p in enumerate(params)]
-        state = RequestState(request_id, prompt, prompt_token_ids, params[0].output_kind, completions, seq_ids)
+        state = RequestState(request_id, prompt, list(prompt_token_ids), params[0].output_kind, completions,
+                             seq_ids)
         self.requests[request_id] = state
         for seq_id, completion in zip(seq_ids, completions):
             self.seqs[seq_id] = state, completion
@@ -121,7 +124,8 @@ class OutputProcessor:
             self.seqs.pop(seq_id, None)
         return state.seq_ids
 
-    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[int, str]]]:
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]
+                        ) -> tuple[list[RequestOutput], list[tuple[int, str]]]:
         """The step's RequestOutputs, and the sequences that a stop string ended (seq_id, string)."""
         touched, stopped, now = {}, [], time.time()
         for out in core_outputs:

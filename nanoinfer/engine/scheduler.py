@@ -86,7 +86,8 @@ class Scheduler:
             self.advance(seq, num_new, out)
             budget -= num_new
 
-        while self.waiting and budget > 0 and not out.preempted_seq_ids and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0 and not out.preempted_seq_ids
+               and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             computed = self.block_manager.get_computed_blocks(seq)
             num_cached = len(computed) * self.block_manager.block_size
@@ -137,7 +138,7 @@ class Scheduler:
         num_tokens = seq.num_tokens_with_placeholders
         return num_tokens - seq.num_prompt_tokens >= seq.max_tokens or num_tokens >= self.max_model_len
 
-    def update_from_output(self, sched: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append each sampled sequence's new tokens, applying the token-level stops to each in order."""
         outputs, lp = [], runner_output.logprobs
         for row, (seq_id, token_ids) in enumerate(zip(runner_output.seq_ids, runner_output.sampled_token_ids)):
