@@ -32,7 +32,7 @@ def check_consistency(engine) -> None:
         assert (block.block_id in bm.free_block_queue) == (users == 0)
 
 
-def stream(async_scheduling: bool):
+def stream():
     """30 requests: greedy and seeded, shared prefixes, stops of each kind, min_tokens, logprobs."""
     rng = random.Random(0)
     shared = random_prompts([33], seed=13)[0]
@@ -68,7 +68,7 @@ def test_random_stream_with_aborts(llama_dir, async_scheduling):
               async_scheduling=async_scheduling)
     engine = llm.llm_engine
     rng = random.Random(1)
-    requests = stream(async_scheduling)
+    requests = stream()
     pending, finished, aborted, collected = list(requests), set(), set(), {}
     while pending or engine.has_unfinished_requests():
         for _ in range(rng.randrange(0, 3)):

@@ -42,6 +42,9 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+atexit.register(gc.unfreeze)   # what LLMEngine froze is freed at exit (extensions check for leaks)
+
+
 class LLMEngine:
 
     def __init__(self, config: Config):
@@ -61,7 +64,6 @@ class LLMEngine:
         # collections, which the step loop's allocations trigger now and then, stay short.
         gc.collect()
         gc.freeze()
-        atexit.register(gc.unfreeze)   # let the interpreter free them at exit (extensions check for leaks)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
         """Validate and queue a request; raises ValueError saying what is wrong with it."""

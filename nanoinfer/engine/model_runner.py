@@ -67,7 +67,7 @@ class ModelRunner:
         gpu_bytes = None   # at most this much of the GPU can go to the KV cache: check before loading weights
         if self.device.type == "cuda":
             gpu_bytes = torch.cuda.mem_get_info(self.device)[1] * config.gpu_memory_utilization
-        self.check_kv_cache_holds_max_model_len(gpu_bytes)
+        self.check_kv_cache_holds_max_model_len(gpu_bytes, config.kv_cache_bytes_per_token)
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -95,14 +95,14 @@ class ModelRunner:
                 self.model, min(config.max_num_seqs, 512), -(-config.max_model_len // self.block_size),
                 hf_config.hidden_size, self.dtype, self.device)
 
-    def check_kv_cache_holds_max_model_len(self, kv_cache_bytes: float | None = None) -> int:
+    def check_kv_cache_holds_max_model_len(self, kv_cache_bytes: float | None, bytes_per_token: int) -> int:
         """The number of KV cache blocks (from `num_kvcache_blocks`, the CPU's cache space, or
         `kv_cache_bytes`); a ValueError if they cannot hold one sequence of max_model_len tokens."""
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks is None:
             if kv_cache_bytes is None:
                 kv_cache_bytes = self.config.cpu_kvcache_space_gb * 2**30
-            num_blocks = int(kv_cache_bytes) // (self.block_size * self.config.kv_cache_bytes_per_token)
+            num_blocks = int(kv_cache_bytes) // (self.block_size * bytes_per_token)
         if num_blocks * self.block_size < self.config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {max(num_blocks, 0) * self.block_size} tokens, fewer than max_model_len="
@@ -113,9 +113,11 @@ class ModelRunner:
         free_bytes = None
         if self.device.type == "cuda" and self.config.num_kvcache_blocks is None:
             free_bytes = self.profile_free_memory()
-        num_blocks = self.num_kvcache_blocks = self.check_kv_cache_holds_max_model_len(free_bytes)
         num_kv_heads, head_dim = self.attn_layers[0].num_kv_heads, self.attn_layers[0].head_dim
         shape = (len(self.attn_layers), self.block_size, num_kv_heads, head_dim)
+        bytes_per_token = 2 * shape[0] * num_kv_heads * head_dim * self.dtype.itemsize   # this rank's heads
+        num_blocks = self.check_kv_cache_holds_max_model_len(free_bytes, bytes_per_token)
+        self.num_kvcache_blocks = num_blocks
         self.kv_cache = torch.empty(2, shape[0], num_blocks, *shape[1:], dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]

@@ -89,8 +89,7 @@ class RequestState:
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
 
-    def make_output(self) -> RequestOutput | None:
-        finished = self.finished
+    def make_output(self, finished: bool) -> RequestOutput | None:
         if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = self.output_kind == RequestOutputKind.DELTA
@@ -144,9 +143,9 @@ class OutputProcessor:
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
-            if state.finished:
+            if finished := state.finished:
                 state.metrics.finished_time = now
                 del self.requests[state.request_id]
-            if (output := state.make_output()) is not None:
+            if (output := state.make_output(finished)) is not None:
                 outputs.append(output)
         return outputs, stopped
