@@ -34,7 +34,7 @@ from collections import defaultdict
 import torch
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.engine.model_runner import AsyncModelRunnerOutput
+from nanoinfer.engine.model_executor import AsyncModelRunnerOutput
 from nanoinfer.sampling_params import RequestOutputKind
 
 QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
@@ -95,7 +95,7 @@ class StepTimer:
     def __init__(self, engine, on_gpu: bool):
         self.host, self.calls, self.events = defaultdict(float), defaultdict(int), []
         self.message = (0, 0)   # (sequences, pickled bytes) of the largest pure-decode step message
-        runner = engine.model_runner
+        runner = engine.model_executor
         self.wrap(engine.scheduler, "schedule", "schedule")
         self.wrap(runner.input_batch, "update", "apply step message")
         self.wrap(runner.input_batch, "prepare_inputs", "prepare inputs")

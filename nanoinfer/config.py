@@ -64,8 +64,7 @@ class Config:
                              f"(max_position_embeddings={model_len}): outputs past it are likely wrong. Set "
                              "NANOINFER_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it anyway")
         if self.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not "
-                             "implemented yet; the layers are split-ready, the worker processes are not")
+            self.check_tensor_parallel()
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
@@ -73,12 +72,28 @@ class Config:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
+    def check_tensor_parallel(self) -> None:
+        """The model's sizes must split evenly over the ranks (KV heads may be replicated)."""
+        tp, hf = self.tensor_parallel_size, self.hf_config
+        kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        for name, size in (("num_attention_heads", hf.num_attention_heads),
+                           ("intermediate_size", getattr(hf, "intermediate_size", 0))):
+            if size % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name}={size}")
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(f"tensor_parallel_size={tp} neither divides nor is a multiple of the model's "
+                             f"num_key_value_heads={kv_heads}")
+        if self.device == "cuda" and torch.cuda.device_count() < tp:
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs, this machine has "
+                             f"{torch.cuda.device_count()}")
+
     @property
     def kv_cache_bytes_per_token(self) -> int:
-        """The keys and values of one token, in every layer."""
+        """The keys and values of one token, in every layer, on one tensor-parallel rank."""
         hf = self.hf_config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        num_kv_heads = max(1, num_kv_heads // self.tensor_parallel_size)   # (replicated beyond one a rank)
         return 2 * hf.num_hidden_layers * num_kv_heads * head_dim * self.torch_dtype.itemsize
 
     @property

@@ -2,13 +2,17 @@
 
 torch.distributed's world holds every rank; inside it, each parallel dimension has groups of its
 own. The tensor-parallel group is the set of ranks that hold shards of the same layers: its
-collectives (the all-reduce after a row-parallel matmul, the all-gather of vocab-parallel logits)
-run over it alone, never over the world, so that pipeline-parallel stages and data-parallel
-replicas can sit beside it in one world. `init_tensor_parallel(size)` cuts the world into groups
-of `size` consecutive ranks.
+collectives (the all-reduce after a row-parallel matmul, the gather of vocab-parallel logits to
+the first rank, the broadcast of its sampled tokens) run over it alone, never over the world, so
+that pipeline-parallel stages and data-parallel replicas can sit beside it in one world.
+`init_tensor_parallel(size)` cuts the world into groups of `size` consecutive ranks.
 
-With one process (the default) the group has one rank and every collective is a no-op.
+The backend is NCCL on GPUs (one GPU a rank; its collectives are kernels on the GPU's stream, so
+they are captured in CUDA graphs like any other kernel) and gloo on the CPU. With one process
+(the default) the group has one rank and every collective is a no-op.
 """
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -20,21 +24,40 @@ class GroupCoordinator:
         self.world_size = len(ranks)
         self.rank_in_group = ranks.index(dist.get_rank()) if group is not None else 0
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+            dist.all_reduce(x, op=op, group=self.group)
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's `x` along the last dimension, in rank order."""
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's `x` concatenated along the last dimension on the group's first rank;
+        None on the others."""
         if self.world_size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=-1)
+        first = self.rank_in_group == 0
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if first else None
+        dist.gather(x.contiguous(), parts, dst=self.ranks[0], group=self.group)
+        return torch.cat(parts, dim=-1) if first else None
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's first rank's `x`, written into `x` on every rank."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=self.ranks[0], group=self.group)
+        return x
 
 
 _TP = GroupCoordinator([0])
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str) -> GroupCoordinator:
+    """Join the world (rank `rank` of `world_size`) and form the tensor-parallel groups."""
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        # a dead peer is handled by aborting the groups (`destroy_distributed`), not by the
+        # watchdog tearing this process down
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    return init_tensor_parallel(world_size)
 
 
 def init_tensor_parallel(tensor_parallel_size: int) -> GroupCoordinator:
@@ -58,6 +81,19 @@ def destroy_tensor_parallel() -> None:
     _TP = GroupCoordinator([0])
 
 
+def destroy_distributed(abort: bool = False) -> None:
+    """Leave the world. `abort` (a peer died): cancel what is in flight instead of waiting for it."""
+    global _TP
+    if not dist.is_initialized():
+        return
+    if abort and dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()   # every group; stuck NCCL kernels return
+        _TP = GroupCoordinator([0])
+        return
+    destroy_tensor_parallel()
+    dist.destroy_process_group()
+
+
 def get_tp_group() -> GroupCoordinator:
     return _TP
 
@@ -72,7 +108,3 @@ def get_tp_size() -> int:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return _TP.all_reduce(x)
-
-
-def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    return _TP.all_gather(x)

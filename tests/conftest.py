@@ -38,10 +38,11 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_config(family: str):
+def tiny_config(family: str, **overrides):
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+    common.update(overrides)
     if family == "llama":   # Llama 3 rope scaling, untied embeddings
         return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=500000.0,
                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -53,9 +54,9 @@ def tiny_config(family: str):
     raise ValueError(family)
 
 
-def save_model(family: str, path: str) -> str:
+def save_model(family: str, path: str, **overrides) -> str:
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
     if family == "qwen2":   # random biases, so a dropped bias would show
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

@@ -206,14 +206,14 @@ def test_an_error_in_a_step_kills_the_engine_clearly(llama_dir, async_scheduling
     is dead, and every later call says so instead of looping or running on."""
     llm = LLM(llama_dir, async_scheduling=async_scheduling)
     engine = llm.llm_engine
-    execute_model, calls = engine.model_runner.execute_model, []
+    execute_model, calls = engine.model_executor.execute_model, []
 
     def failing(sched):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("the GPU fell off the bus")
         return execute_model(sched)
-    engine.model_runner.execute_model = failing
+    engine.model_executor.execute_model = failing
     with pytest.raises(RuntimeError, match="fell off the bus"):
         llm.generate(random_prompts([5, 9], seed=67), GREEDY, use_tqdm=False)
     for call in (engine.step, engine.has_unfinished_requests, lambda: engine.add_request("x", [5], GREEDY),
@@ -228,17 +228,17 @@ def test_ctrl_c_in_a_step_aborts_everything_and_keeps_the_engine(llama_dir):
     engine, prompts = llm.llm_engine, random_prompts([5, 40], seed=68)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     llm.reset_prefix_cache()
-    execute_model, calls = engine.model_runner.execute_model, []
+    execute_model, calls = engine.model_executor.execute_model, []
 
     def interrupted(sched):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
         return execute_model(sched)
-    engine.model_runner.execute_model = interrupted
+    engine.model_executor.execute_model = interrupted
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert not engine.has_unfinished_requests() and not engine.model_runner.input_batch.rows
+    assert not engine.has_unfinished_requests() and not engine.model_executor.input_batch.rows
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == len(bm.blocks) and not bm.hash_to_block   # nothing half-computed is cached
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected

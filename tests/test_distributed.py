@@ -19,7 +19,9 @@ def worker(rank: int, init_file: str) -> None:
         assert (distributed.get_tp_size(), distributed.get_tp_rank()) == (2, rank)
         assert ColumnParallelLinear(8, 6).weight.shape == (3, 8)
         assert distributed.all_reduce(torch.tensor([rank + 1.0])).item() == 3
-        assert distributed.all_gather_last_dim(torch.tensor([[rank]])).tolist() == [[0, 1]]
+        gathered = distributed.get_tp_group().gather(torch.tensor([[rank]]))
+        assert gathered.tolist() == [[0, 1]] if rank == 0 else gathered is None
+        assert distributed.get_tp_group().broadcast(torch.tensor([rank + 5])).item() == 5
         distributed.destroy_tensor_parallel()
     finally:
         dist.destroy_process_group()

@@ -16,7 +16,7 @@ from nanoinfer.sampling_params import RequestOutputKind
 
 
 def check_consistency(engine) -> None:
-    scheduler, batch = engine.scheduler, engine.model_runner.input_batch
+    scheduler, batch = engine.scheduler, engine.model_executor.input_batch
     bm = scheduler.block_manager
     held = set(batch.rows) - scheduler.finished_seq_ids   # those still to forget are told next step
     assert held == {seq.seq_id for seq in scheduler.running}
@@ -169,7 +169,7 @@ def test_step_message_round_trip(llama_dir, async_scheduling):
               async_scheduling=async_scheduling)
     engine = llm.llm_engine
     second = ModelRunner(engine.config)
-    execute_model, sample_tokens = engine.model_runner.execute_model, engine.model_runner.sample_tokens
+    execute_model, sample_tokens = engine.model_executor.execute_model, engine.model_executor.sample_tokens
     pairs = []
 
     def execute_both(sched):
@@ -181,7 +181,7 @@ def test_step_message_round_trip(llama_dir, async_scheduling):
         out = sample_tokens()
         pairs.append((out, second.sample_tokens()))
         return out
-    engine.model_runner.execute_model, engine.model_runner.sample_tokens = execute_both, sample_both
+    engine.model_executor.execute_model, engine.model_executor.sample_tokens = execute_both, sample_both
     shared = random_prompts([20], seed=50)[0]
     prompts = [shared + p for p in random_prompts([3, 30, 12, 41, 7, 25], seed=51)]
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),

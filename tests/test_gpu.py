@@ -57,7 +57,7 @@ def test_cuda_graph_decode_equals_eager(llama_dir, num_seqs):
 
 def test_graphs_are_used_for_decode(llama_dir):
     llm = LLM(llama_dir, max_model_len=256, max_num_seqs=64)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.model_executor
     assert runner.graph_runner is not None and 1 in runner.graph_runner.graphs
     replays = []
     run = runner.graph_runner.run
@@ -96,7 +96,7 @@ def test_a_step_launches_without_waiting_for_the_gpu(llama_dir):
     """execute_model and sample_tokens never synchronise with the GPU, also with min_tokens
     blocking, penalties, seeds, top-k/top-p and logprobs: async scheduling depends on it."""
     llm = LLM(llama_dir, max_model_len=256, max_num_seqs=64)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.model_executor
     execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
 
     def strict(fn):

@@ -161,7 +161,5 @@ def test_chat_uses_the_template(llm):
 
 
 def test_unsupported_engine_options(llama_dir):
-    with pytest.raises(ValueError, match="tensor parallelism is not implemented"):
-        LLM(llama_dir, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="load_format"):
         LLM(llama_dir, load_format="pickle")

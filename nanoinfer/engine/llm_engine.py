@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Iterable
 from itertools import count
 
+import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanoinfer.config import Config
@@ -31,6 +32,7 @@ from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.model_runner import AsyncModelRunnerOutput, ModelRunner
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.engine.scheduler import Scheduler
+from nanoinfer.executor.multiproc_executor import MultiprocExecutor
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import SamplingParams
@@ -50,8 +52,9 @@ class LLMEngine:
     def __init__(self, config: Config):
         self.config = config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
-        self.model_runner = ModelRunner(config)
-        block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
+        # the model runs here (one process, one device) or on tensor-parallel ranks (executor/)
+        self.model_executor = ModelRunner(config) if config.tensor_parallel_size == 1 else MultiprocExecutor(config)
+        block_manager = BlockManager(self.model_executor.num_kvcache_blocks, config.block_size,
                                      config.enable_prefix_caching)
         self.scheduler = Scheduler(config, block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -139,6 +142,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     def check_alive(self) -> None:
+        if isinstance(self.error, EngineDeadError):
+            raise EngineDeadError(str(self.error))
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an error in a step ({type(self.error).__name__}: "
                                   f"{self.error}); its requests are lost: create a new engine") from self.error
@@ -147,13 +152,34 @@ class LLMEngine:
         self.check_alive()
         try:
             return self._step()
-        except KeyboardInterrupt:   # the user stopped it: drop every request, keep the engine
-            self.abort_all()
+        except KeyboardInterrupt as e:   # the user stopped it: drop every request, keep the engine
+            if self.config.tensor_parallel_size == 1:
+                self.abort_all()
+                raise
+            self.die(e)   # the ranks may be in the middle of a collective: stop them
             raise
         except BaseException as e:
-            self.error = e
-            self.in_flight.clear()
+            self.die(e)
             raise
+
+    def die(self, error: BaseException) -> None:
+        self.error = error
+        self.in_flight.clear()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and free the model and its KV cache; the engine cannot
+        be used afterwards. Idempotent."""
+        if self.model_executor is None:
+            return
+        if isinstance(self.model_executor, MultiprocExecutor):
+            self.model_executor.shutdown()
+        self.model_executor = None
+        self.error = self.error or EngineDeadError("the engine was shut down")
+        gc.unfreeze()   # let the collector free the model's reference cycles
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def abort_all(self) -> None:
         """Abort every request. A step cut off half-way may have entered blocks in the prefix
@@ -161,12 +187,12 @@ class LLMEngine:
         self.in_flight.clear()
         self.abort_request(list(self.output_processor.requests))
         self.scheduler.block_manager.reset_prefix_cache()
-        self.model_runner.reset()   # it may have missed the step's message
+        self.model_executor.reset()   # it may have missed the step's message
 
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        self.model_runner.execute_model(sched)
-        self.in_flight.append(self.model_runner.sample_tokens())
+        self.model_executor.execute_model(sched)
+        self.in_flight.append(self.model_executor.sample_tokens())
         self.num_prefill_tokens = sum(n for n in sched.num_scheduled_tokens.values() if n > 1)
         self.num_decode_tokens = sum(1 for n in sched.num_scheduled_tokens.values() if n == 1)
         core_outputs = []

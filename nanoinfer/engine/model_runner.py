@@ -17,9 +17,11 @@ Nothing here waits for the GPU: the sampled tokens come back through an
 `AsyncModelRunnerOutput`, and the next step's decodes take theirs on the device.
 """
 import torch
+import torch.distributed as dist
 
 from nanoinfer.attention import AttentionMetadata, get_attn_backend, set_forward_context
 from nanoinfer.config import Config
+from nanoinfer.distributed import get_tp_group
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.input_batch import InputBatch, StepInputs
 from nanoinfer.engine.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -60,6 +62,9 @@ class ModelRunner:
     def __init__(self, config: Config):
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda":   # under tensor parallelism, this rank's GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.tp_group = get_tp_group()
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         hf_config = config.hf_config
@@ -117,6 +122,9 @@ class ModelRunner:
         shape = (len(self.attn_layers), self.block_size, num_kv_heads, head_dim)
         bytes_per_token = 2 * shape[0] * num_kv_heads * head_dim * self.dtype.itemsize   # this rank's heads
         num_blocks = self.check_kv_cache_holds_max_model_len(free_bytes, bytes_per_token)
+        # every rank's cache must hold the blocks the scheduler hands out: take the smallest
+        num_blocks = int(self.tp_group.all_reduce(torch.tensor([num_blocks], device=self.device),
+                                                  op=dist.ReduceOp.MIN).item())
         self.num_kvcache_blocks = num_blocks
         self.kv_cache = torch.empty(2, shape[0], num_blocks, *shape[1:], dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attn_layers):
@@ -144,12 +152,13 @@ class ModelRunner:
         with set_forward_context(meta):
             hidden_states = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions)
         rows = min(self.config.max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(hidden_states[:rows]).float()
-        self.sampler(logits, SamplingMetadata(
-            temperatures=torch.ones(rows, device=self.device), top_ks=None,
-            top_ps=torch.full((rows,), 0.9, device=self.device), min_ps=None,
-            seeds=torch.zeros(rows, dtype=torch.int64, device=self.device), all_greedy=False,
-            max_num_logprobs=None))
+        logits = self.model.compute_logits(hidden_states[:rows])   # None on ranks other than the first
+        if logits is not None:
+            self.sampler(logits.float(), SamplingMetadata(
+                temperatures=torch.ones(rows, device=self.device), top_ks=None,
+                top_ps=torch.full((rows,), 0.9, device=self.device), min_ps=None,
+                seeds=torch.zeros(rows, dtype=torch.int64, device=self.device), all_greedy=False,
+                max_num_logprobs=None))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del hidden_states, logits
@@ -187,6 +196,11 @@ class ModelRunner:
             return AsyncModelRunnerOutput([])
         step, logits = self.pending
         self.pending = None
+        if logits is None:   # a tensor-parallel worker: the first rank samples and sends the tokens
+            token_ids = torch.empty(len(step.sample_seq_ids), 1, dtype=torch.int64, device=self.device)
+            self.input_batch.record_sampled(step.sample_seq_ids, self.tp_group.broadcast(token_ids))
+            return AsyncModelRunnerOutput([])
         sampled = self.sampler(logits, self.input_batch.sampling_metadata(step))
+        self.tp_group.broadcast(sampled.sampled_token_ids)   # the next step's decode inputs, on every rank
         self.input_batch.record_sampled(step.sample_seq_ids, sampled.sampled_token_ids)
         return AsyncModelRunnerOutput(step.sample_seq_ids, sampled)

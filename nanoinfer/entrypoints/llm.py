@@ -27,6 +27,11 @@ class LLM:
         self.llm_engine = LLMEngine(Config(model, **kwargs))
         self.request_counter = count()
 
+    def shutdown(self) -> None:
+        """Stop the worker processes (tensor parallelism) and free the model and its KV cache.
+        Also done at interpreter exit; the LLM cannot be used afterwards."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -2,14 +2,15 @@
 
 Each rank holds a contiguous slice of the vocabulary's rows. For the embedding, a rank looks up
 only the ids in its slice (zeros elsewhere) and an all-reduce sums the slices. The LM head
-reuses the same weight layout and all-gathers the logits. With tied embeddings the LM head
-shares the embedding's weight.
+reuses the same weight layout and gathers the logits to the first rank, the one that samples.
+With tied embeddings the LM head shares the embedding's weight.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from nanoinfer.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
+from nanoinfer.layers.linear import copy_shard
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -23,12 +24,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_per_partition, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        if loaded_weight.shape != (self.num_embeddings, param.shape[1]):
-            raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
-                             f"expected {(self.num_embeddings, param.shape[1])}")
-        shard = loaded_weight[self.vocab_start:self.vocab_start + self.num_per_partition]
-        param.data[:shard.shape[0]].copy_(shard)
+    def weight_loader(self, param: nn.Parameter, loaded_weight) -> None:
+        rows = max(0, min(self.num_per_partition, self.num_embeddings - self.vocab_start))   # the last is short
+        copy_shard(param.data[:rows], loaded_weight, 0, self.vocab_start, self.num_embeddings)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -41,6 +39,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(F.linear(hidden_states, self.weight))
-        return logits[..., :self.num_embeddings]
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The logits on the first tensor-parallel rank, which samples; None on the others."""
+        logits = get_tp_group().gather(F.linear(hidden_states, self.weight))
+        return None if logits is None else logits[..., :self.num_embeddings]

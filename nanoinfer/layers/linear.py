@@ -7,7 +7,8 @@
   shard (`shard_id`) and copies this rank's slice of it into the right rows.
 
 Every parameter carries a `weight_loader(param, loaded_weight[, shard_id])` so the model
-loader never needs to know how a layer is split.
+loader never needs to know how a layer is split; `loaded_weight` may be a lazy safetensors
+slice, so a rank reads only its own part of the checkpoint.
 """
 import torch
 import torch.nn.functional as F
@@ -16,9 +17,11 @@ from torch import nn
 from nanoinfer.distributed import all_reduce, get_tp_rank, get_tp_size
 
 
-def divide(numerator: int, denominator: int, what: str) -> int:
+def divide(numerator: int, denominator: int, what: str, replicate: bool = False) -> int:
     if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
+        if replicate:   # numerator is tensor_parallel_size
+            raise ValueError(f"tensor_parallel_size={numerator} is not a multiple of {what}={denominator}")
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size={denominator}")
     return numerator // denominator
 
 
@@ -35,17 +38,24 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        check_shape(param.data, loaded_weight)
-        param.data.copy_(loaded_weight)
+    def weight_loader(self, param: nn.Parameter, loaded_weight) -> None:
+        copy_shard(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
-def check_shape(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"checkpoint tensor has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+def copy_shard(dst: torch.Tensor, loaded_weight, dim: int = 0, start: int = 0, full_size: int | None = None) -> None:
+    """Copy [start, start + dst's size) along `dim` of a checkpoint tensor, whose size along `dim`
+    must be `full_size` (default: dst's), into `dst`. `loaded_weight` is a tensor or a safetensors
+    slice, from which only that part is read."""
+    expected = list(dst.shape)
+    expected[dim] = expected[dim] if full_size is None else full_size
+    shape = list(loaded_weight.shape if isinstance(loaded_weight, torch.Tensor) else loaded_weight.get_shape())
+    if shape != expected:
+        raise ValueError(f"checkpoint tensor has shape {tuple(shape)}, expected {tuple(expected)}")
+    index = (slice(None),) * dim + (slice(start, start + dst.shape[dim]),)
+    dst.copy_(loaded_weight[index])
 
 
 def set_shard_ids(layer: nn.Module, shard_ids: tuple) -> None:
@@ -59,10 +69,9 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, divide(output_size, get_tp_size(), "output size"), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight) -> None:
         size = param.shape[0]
-        check_shape(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
-        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+        copy_shard(param.data, loaded_weight, 0, self.tp_rank * size, size * self.tp_size)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -73,33 +82,42 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
         set_shard_ids(self, tuple(range(len(output_sizes))))
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
-        check_shape(param.data.narrow(0, offset, size), shard)
-        param.data.narrow(0, offset, size).copy_(shard)
+        copy_shard(param.data.narrow(0, offset, size), loaded_weight, 0, self.tp_rank * size,
+                   self.output_sizes[shard_id])
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one matrix; each rank holds its own heads of each (GQA aware)."""
+    """q, k and v projections in one matrix; each rank holds its own heads of each (GQA aware).
+
+    With more ranks than KV heads, each rank holds one KV head, the one its query heads use:
+    tensor_parallel_size / num_key_value_heads ranks share (replicate) each KV head."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False):
         tp_size = get_tp_size()
         self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
-        self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
-        self.head_dim = head_dim
-        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
+        if tp_size >= total_num_kv_heads:
+            self.kv_replicas = divide(tp_size, total_num_kv_heads, "num_key_value_heads", replicate=True)
+            self.num_kv_heads = 1
+        else:
+            self.kv_replicas, self.num_kv_heads = 1, divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+        self.head_dim, self.total_num_kv_heads = head_dim, total_num_kv_heads
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias)
         set_shard_ids(self, ("q", "k", "v"))
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
-        check_shape(param.data.narrow(0, offset, size), shard)
-        param.data.narrow(0, offset, size).copy_(shard)
+        if shard_id == "q":
+            dst, start, full = param.data.narrow(0, 0, q_size), self.tp_rank * q_size, q_size * self.tp_size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            dst, start = param.data.narrow(0, offset, kv_size), self.tp_rank // self.kv_replicas * kv_size
+            full = self.total_num_kv_heads * self.head_dim
+        copy_shard(dst, loaded_weight, 0, start, full)
 
 
 class RowParallelLinear(LinearBase):
@@ -107,12 +125,11 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(divide(input_size, get_tp_size(), "input size"), output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight) -> None:
         if param.dim() == 1:   # the bias is not split; only rank 0 adds it
-            return super().weight_loader(param, loaded_weight)
+            return copy_shard(param.data, loaded_weight)
         size = param.shape[1]
-        check_shape(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
-        param.data.copy_(loaded_weight.narrow(1, self.tp_rank * size, size))
+        copy_shard(param.data, loaded_weight, 1, self.tp_rank * size, size * self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None))

@@ -2,7 +2,7 @@
 
 Checkpoint names are mapped to our parameters: `q_proj`/`k_proj`/`v_proj` go into the packed
 `qkv_proj` and `gate_proj`/`up_proj` into `gate_up_proj`, as numbered shards. Each parameter's
-own `weight_loader` copies this rank's slice. A tensor we have no place for, a parameter (or
+own `weight_loader` copies this rank's slice, reading only that slice from the file. A tensor we have no place for, a parameter (or
 shard) nobody wrote, or a shape that does not fit is an error: silently random weights are the
 worst kind of bug.
 
@@ -15,12 +15,11 @@ import os
 from safetensors import safe_open
 from torch import nn
 
-from nanoinfer.layers.linear import check_shape
+from nanoinfer.layers.linear import copy_shard
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight) -> None:
-    check_shape(param.data, loaded_weight)
-    param.data.copy_(loaded_weight)
+    copy_shard(param.data, loaded_weight)
 
 
 def load_model(model: nn.Module, path: str) -> None:
@@ -46,10 +45,11 @@ def load_model(model: nn.Module, path: str) -> None:
                     raise ValueError(f"unexpected tensor {name!r} in {file}: the model has no such parameter")
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
+                    tensor = f.get_slice(name)   # read lazily: each rank reads only its part
                     if shard_id is None:
-                        loader(param, f.get_tensor(name))
+                        loader(param, tensor)
                     else:
-                        loader(param, f.get_tensor(name), shard_id)
+                        loader(param, tensor, shard_id)
                 except (ValueError, RuntimeError) as e:
                     raise ValueError(f"cannot load tensor {name!r} from {file}: {e}") from e
                 loaded[target].add(shard_id)

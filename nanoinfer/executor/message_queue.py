@@ -1,0 +1,86 @@
+"""How a step reaches the worker processes: a ring of slots in shared memory, one writer, N readers.
+
+Rank 0 pickles each call (a method name and its arguments, e.g. the step's `SchedulerOutput`, a
+few KB) into the next slot of a `multiprocessing.shared_memory` buffer and signals every reader;
+each worker copies it out, marks the slot read, and unpickles it. Nothing goes through a pipe or
+a socket, and rank 0 only waits when it is a whole ring ahead of the slowest worker.
+
+    slot i % num_slots:  [ length: u32 | last: u32 | payload ... ]
+
+A message longer than a slot (a step that admits many long prompts) is cut into chunks that follow
+each other through the ring. The signals are semaphores, two per reader: `written` counts the
+slots it may read, `free` the slots it has finished with (the writer takes one from every reader
+before it overwrites a slot). Every wait has a timeout, after which `check()` runs (the writer
+checks its workers are alive, a reader that its parent is), so that nobody waits forever on a
+process that has died.
+"""
+import multiprocessing as mp
+import pickle
+import struct
+from collections.abc import Callable
+from multiprocessing.shared_memory import SharedMemory
+
+HEADER = struct.Struct("<II")
+
+
+class MessageQueue:
+
+    def __init__(self, num_readers: int, slot_bytes: int = 1 << 20, num_slots: int = 8):
+        ctx = mp.get_context("spawn")
+        self.slot_bytes, self.num_slots = slot_bytes, num_slots
+        self.shm = SharedMemory(create=True, size=slot_bytes * num_slots)
+        self.written = [ctx.Semaphore(0) for _ in range(num_readers)]
+        self.free = [ctx.Semaphore(num_slots) for _ in range(num_readers)]
+        self.reader: int | None = None   # which reader this process is (None: the writer)
+        self.index = 0                   # the next slot to write or read, counting from 0
+
+    def __getstate__(self):   # what a worker process receives: the segment's name, not its memory
+        state = self.__dict__.copy()
+        state["shm"] = self.shm.name
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.shm = SharedMemory(name=state["shm"])
+
+    def as_reader(self, reader: int) -> "MessageQueue":
+        self.reader = reader
+        return self
+
+    def enqueue(self, obj, check: Callable[[], None]) -> None:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        chunk = self.slot_bytes - HEADER.size
+        for start in range(0, max(len(data), 1), chunk):
+            part = data[start:start + chunk]
+            for sem in self.free:   # every reader has read what this slot held
+                wait(sem, check)
+            offset = (self.index % self.num_slots) * self.slot_bytes
+            HEADER.pack_into(self.shm.buf, offset, len(part), start + chunk >= len(data))
+            self.shm.buf[offset + HEADER.size:offset + HEADER.size + len(part)] = part
+            self.index += 1
+            for sem in self.written:
+                sem.release()
+
+    def dequeue(self, check: Callable[[], None]):
+        parts = []
+        while True:
+            wait(self.written[self.reader], check)
+            offset = (self.index % self.num_slots) * self.slot_bytes
+            length, last = HEADER.unpack_from(self.shm.buf, offset)
+            parts.append(bytes(self.shm.buf[offset + HEADER.size:offset + HEADER.size + length]))
+            self.index += 1
+            self.free[self.reader].release()
+            if last:
+                return pickle.loads(b"".join(parts))
+
+    def close(self) -> None:
+        """Detach; the writer also removes the segment (readers must have detached or died)."""
+        self.shm.close()
+        if self.reader is None:
+            self.shm.unlink()
+        self.written = self.free = []   # the last reference: the named semaphores are removed
+
+
+def wait(sem, check: Callable[[], None], timeout: float = 0.5) -> None:
+    while not sem.acquire(timeout=timeout):
+        check()
