@@ -4,7 +4,8 @@ Workload (DESIGN.md): random.seed(0); 256 prompts of random token ids in [0, 100
 lengths U[100, 1024]; each with max_tokens U[100, 1024], temperature 0.6, ignore_eos.
 Output tok/s = sum(max_tokens) / wall time (133,966 output tokens). The default model has
 Qwen3-0.6B's shape with random weights (throughput does not depend on their values);
---model runs a real checkpoint.
+`--model-shape qwen3-8b` takes Qwen3-8B's, `--model` runs a real checkpoint, and `--tp N` splits
+the model over N GPUs (the roofline then counts N GPUs' bandwidth and FLOPs).
 
 Next to the result it prints the roofline for the same workload: the bytes that must move
 (every weight once per decode step, every cached K/V entry once per token that attends to it)
@@ -34,7 +35,7 @@ from collections import defaultdict
 import torch
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.engine.model_executor import AsyncModelRunnerOutput
+from nanoinfer.engine.model_runner import AsyncModelRunnerOutput
 from nanoinfer.sampling_params import RequestOutputKind
 
 QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
@@ -42,6 +43,9 @@ QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden
                   head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
                   rope_theta=1000000.0, tie_word_embeddings=True, hidden_act="silu", torch_dtype="bfloat16",
                   bos_token_id=151643, eos_token_id=151645)
+QWEN3_8B = dict(QWEN3_0_6B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                tie_word_embeddings=False)
+MODEL_SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B}
 
 
 def workload(num_seqs: int, max_input_len: int, max_output_len: int):
@@ -54,13 +58,19 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int):
     return prompts, params
 
 
-def roofline(cfg, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int) -> tuple[float, float]:
-    """(bytes that must move, FLOPs that must run) for the workload, all sequences decoding together."""
+def model_sizes(cfg) -> tuple[int, int, int, int]:
+    """(matmul parameters, of them per layer, K/V values per token, head_dim)."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
     per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
     matmul_params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size   # + LM head
-    kv_bytes_per_token = 2 * cfg.num_hidden_layers * kv * dtype_bytes
+    return matmul_params, per_layer, 2 * cfg.num_hidden_layers * kv, head_dim
+
+
+def roofline(cfg, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int) -> tuple[float, float]:
+    """(bytes that must move, FLOPs that must run) for the workload, all sequences decoding together."""
+    matmul_params, per_layer, kv_per_token, head_dim = model_sizes(cfg)
+    kv_bytes_per_token = kv_per_token * dtype_bytes
     # each decode step reads all weights once; output token j of a sequence attends to prompt + j keys
     decode_steps = max(output_lens)
     kv_reads = sum(p * o + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens))
@@ -95,7 +105,8 @@ class StepTimer:
     def __init__(self, engine, on_gpu: bool):
         self.host, self.calls, self.events = defaultdict(float), defaultdict(int), []
         self.message = (0, 0)   # (sequences, pickled bytes) of the largest pure-decode step message
-        runner = engine.model_executor
+        executor = engine.model_executor
+        runner = getattr(executor, "runner", executor)   # under tensor parallelism, rank 0's
         self.wrap(engine.scheduler, "schedule", "schedule")
         self.wrap(runner.input_batch, "update", "apply step message")
         self.wrap(runner.input_batch, "prepare_inputs", "prepare inputs")
@@ -103,7 +114,7 @@ class StepTimer:
         self.wrap(AsyncModelRunnerOutput, "get_output", "wait for tokens")
         self.wrap(engine.scheduler, "update_from_output", "update")
         self.wrap(engine.output_processor, "process_outputs", "outputs")
-        execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
+        execute_model, sample_tokens = executor.execute_model, executor.sample_tokens
 
         def execute(sched):   # the GPU's share of a step: from its first launch to its last
             if on_gpu:
@@ -119,7 +130,7 @@ class StepTimer:
             if on_gpu:
                 self.events[-1][1].record()
             return out
-        runner.execute_model, runner.sample_tokens = execute, sample
+        executor.execute_model, executor.sample_tokens = execute, sample
         self.wrap(engine, "step", "step (wall)")
 
     def wrap(self, obj, name, label):
@@ -147,10 +158,12 @@ class StepTimer:
         return "\n".join(lines)
 
 
-def latency(llm: LLM, input_len: int, output_len: int, runs: int = 5) -> None:
+def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, runs: int = 5) -> None:
     """Streamed (DELTA) outputs: TTFT is when the first token reaches the caller, TPOT the time per
-    token after it."""
+    token after it. The TPOT bound: every weight and the batch's K/V read once per token."""
     engine = llm.llm_engine
+    matmul_params, _, kv_per_token, _ = model_sizes(engine.config.hf_config)
+    dtype_bytes = engine.config.torch_dtype.itemsize
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     for batch in (1, 8):
         ttft, tpot, e2e = [], [], []
@@ -167,8 +180,12 @@ def latency(llm: LLM, input_len: int, output_len: int, runs: int = 5) -> None:
                 ttft.append(first)
                 tpot.append((total - first) / (output_len - 1))
                 e2e.append(total)
+        bound = ""
+        if bandwidth:
+            step_bytes = (matmul_params + batch * (input_len + output_len // 2) * kv_per_token) * dtype_bytes
+            bound = f" (bound {1e3 * step_bytes / bandwidth:.2f} ms at {bandwidth / 1e12:.2f} TB/s)"
         print(f"batch {batch}, {input_len} in / {output_len} out, median of {runs}: "
-              f"TTFT {1e3 * statistics.median(ttft):.1f} ms, TPOT {1e3 * statistics.median(tpot):.2f} ms, "
+              f"TTFT {1e3 * statistics.median(ttft):.1f} ms, TPOT {1e3 * statistics.median(tpot):.2f} ms{bound}, "
               f"end-to-end {statistics.median(e2e):.3f} s")
 
 
@@ -232,7 +249,9 @@ def kernels() -> None:
 
 def main():
     parser = argparse.ArgumentParser(description="nanoinfer throughput benchmark")
-    parser.add_argument("--model", default=None, help="HF model folder (default: Qwen3-0.6B shape, random weights)")
+    parser.add_argument("--model", default=None, help="HF model folder (default: --model-shape, random weights)")
+    parser.add_argument("--model-shape", choices=list(MODEL_SHAPES), default="qwen3-0.6b",
+                        help="the shape of the random-weight model used without --model")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
@@ -269,18 +288,20 @@ def main():
     if model is None:
         model = tempfile.mkdtemp(prefix="nanoinfer-bench-")
         with open(os.path.join(model, "config.json"), "w") as f:
-            json.dump(QWEN3_0_6B, f)
+            json.dump(MODEL_SHAPES[args.model_shape], f)
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
     if args.mode == "latency":
         kwargs["max_model_len"] = args.input_len + args.output_len
-    elif on_gpu:   # before the engine takes its share of the GPU memory
+    bandwidth = peak = None
+    if on_gpu:   # before the engine takes its share of the GPU memory
         bandwidth, peak = measure_gpu_limits()
+        bandwidth, peak = args.tp * bandwidth, args.tp * peak   # each GPU moves and computes its shard
         torch.cuda.empty_cache()
     start = time.perf_counter()
     llm = LLM(model, **kwargs)
     print(f"engine start-up (weights, KV cache, CUDA graphs): {time.perf_counter() - start:.1f} s")
     if args.mode == "latency":
-        return latency(llm, args.input_len, args.output_len)
+        return latency(llm, args.input_len, args.output_len, bandwidth)
 
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
@@ -306,9 +327,9 @@ def main():
         dtype_bytes = llm.llm_engine.config.torch_dtype.itemsize
         bytes_moved, flops = roofline(cfg, [len(p) for p in prompts], [p.max_tokens for p in params], dtype_bytes)
         bound = max(bytes_moved / bandwidth, flops / peak)
-        print(f"roofline on {torch.cuda.get_device_name()}: {bytes_moved / 1e12:.2f} TB at {bandwidth / 1e12:.2f} TB/s "
-              f"= {bytes_moved / bandwidth:.2f} s; {flops / 1e12:.0f} TFLOP at {peak / 1e12:.0f} TFLOP/s = "
-              f"{flops / peak:.2f} s; bound {output_tokens / bound:,.0f} output tok/s; "
+        print(f"roofline on {args.tp} x {torch.cuda.get_device_name()}: {bytes_moved / 1e12:.2f} TB at "
+              f"{bandwidth / 1e12:.2f} TB/s = {bytes_moved / bandwidth:.2f} s; {flops / 1e12:.0f} TFLOP at "
+              f"{peak / 1e12:.0f} TFLOP/s = {flops / peak:.2f} s; bound {output_tokens / bound:,.0f} output tok/s; "
               f"achieved {bound / elapsed:.1%} of it")
     print(timer.report())
 

@@ -81,17 +81,18 @@ def destroy_tensor_parallel() -> None:
     _TP = GroupCoordinator([0])
 
 
-def destroy_distributed(abort: bool = False) -> None:
-    """Leave the world. `abort` (a peer died): cancel what is in flight instead of waiting for it."""
+def destroy_distributed() -> None:
+    """Leave the world. NCCL's communicators are aborted rather than destroyed: that never waits on
+    the other ranks (which have exited, or died), and kernels still waiting on them return."""
     global _TP
     if not dist.is_initialized():
         return
-    if abort and dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()   # every group; stuck NCCL kernels return
-        _TP = GroupCoordinator([0])
-        return
-    destroy_tensor_parallel()
-    dist.destroy_process_group()
+    if dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()   # every group
+    else:
+        destroy_tensor_parallel()
+        dist.destroy_process_group()
+    _TP = GroupCoordinator([0])
 
 
 def get_tp_group() -> GroupCoordinator:

@@ -116,3 +116,52 @@ def test_a_step_launches_without_waiting_for_the_gpu(llama_dir):
                              ignore_eos=True)]
     outs = llm.generate(random_prompts([9, 21, 14], seed=6), params, use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) >= 6 and len(outs[2].outputs[0].logprobs) == 12
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@two_gpus
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_tensor_parallel_matches_transformers_on_gpus(model_dirs, family):
+    """Two GPUs, NCCL inside the CUDA graphs, float32: prefix hits, chunked prefill, async scheduling."""
+    prompts = random_prompts([3, 17, 40, 64, 100], seed=31, prefix=random_prompts([16], seed=32)[0])
+    llm = LLM(model_dirs[family], tensor_parallel_size=2, dtype="float32", max_num_batched_tokens=64,
+              max_num_seqs=64, max_model_len=256)
+    try:
+        assert llm.llm_engine.model_executor.runner.graph_runner is not None
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert outs == [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in prompts]
+
+
+@two_gpus
+def test_tensor_parallel_bf16_equals_one_gpu(llama_dir):
+    prompts = random_prompts([5, 30, 77, 12], seed=40)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(llama_dir, tensor_parallel_size=tp, dtype="bfloat16", max_num_seqs=64, max_model_len=256)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.shutdown()
+    assert runs[0] == runs[1]
+
+
+@two_gpus
+def test_killed_gpu_worker_raises_within_seconds(llama_dir):
+    """The dead rank's NCCL peers are aborted, so rank 0 does not wait on the GPU forever."""
+    import os
+    import signal
+    import threading
+    import time
+    from nanoinfer.executor.multiproc_executor import WorkerDiedError
+    llm = LLM(llama_dir, tensor_parallel_size=2, max_num_seqs=64, max_model_len=512)
+    worker, killed = llm.llm_engine.model_executor.workers[0], []
+    llm.generate(random_prompts([5]), GREEDY, use_tqdm=False)
+    threading.Timer(0.5, lambda: (killed.append(time.monotonic()), os.kill(worker.pid, signal.SIGKILL))).start()
+    with pytest.raises(WorkerDiedError, match="exit code -9"):
+        for _ in range(100):
+            llm.generate(random_prompts([9] * 4), SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - killed[0] < 10
+    llm.shutdown()

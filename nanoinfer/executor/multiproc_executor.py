@@ -127,7 +127,7 @@ class MultiprocExecutor:
                             f"{dead.exitcode}" + ("".join(f"\n{r}" for r in reports) or " (its output may say why)"))
             self.stop_workers(graceful=False)
             if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
-                distributed.destroy_distributed(abort=True)   # what waits on the dead rank returns
+                distributed.destroy_distributed()   # aborted: what waits on the dead rank returns
 
     def stop_workers(self, graceful: bool) -> None:
         for w in self.workers:
@@ -152,10 +152,8 @@ class MultiprocExecutor:
                 self.queue.enqueue(("shutdown", ()), self.check_health)
             except WorkerDiedError:
                 healthy = False
-        if not healthy:
-            self.stop_workers(graceful=False)
-        distributed.destroy_distributed(abort=not healthy)
-        self.stop_workers(graceful=True)
+        self.stop_workers(graceful=healthy)
+        distributed.destroy_distributed()
         self.queue.close()
         self.errors.close()
         self.errors = None   # (its locks are named semaphores, removed with the last reference)
@@ -190,8 +188,7 @@ def worker_main(config: Config, rank: int, init_method: str, queue: MessageQueue
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()[-4000:]}")
         os._exit(1)
-    distributed.destroy_distributed()
-    queue.close()
+    os._exit(0)   # rank 0 removes the shared memory and aborts the groups: nothing to wait for here
 
 
 def exit_with_parent(parent_pid: int) -> None:
