@@ -12,6 +12,7 @@ they are captured in CUDA graphs like any other kernel) and gloo on the CPU. Wit
 (the default) the group has one rank and every collective is a no-op.
 """
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -95,17 +96,21 @@ def destroy_distributed() -> None:
     _TP = GroupCoordinator([0])
 
 
+@contextmanager
+def building_for(group: GroupCoordinator):
+    """Layers built inside take `group` as theirs (and keep it), whatever this process's group is:
+    an engine with one rank can live beside a tensor-parallel one."""
+    global _TP
+    previous, _TP = _TP, group
+    try:
+        yield group
+    finally:
+        _TP = previous
+
+
 def get_tp_group() -> GroupCoordinator:
     return _TP
 
 
-def get_tp_rank() -> int:
-    return _TP.rank_in_group
-
-
 def get_tp_size() -> int:
     return _TP.world_size
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    return _TP.all_reduce(x)

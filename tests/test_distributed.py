@@ -11,14 +11,18 @@ def worker(rank: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         group = distributed.init_tensor_parallel(1)   # two replicas, each its own group
-        assert (group.ranks, distributed.get_tp_size(), distributed.get_tp_rank()) == ([rank], 1, 0)
+        assert (group.ranks, group.world_size, group.rank_in_group) == ([rank], 1, 0)
         assert ColumnParallelLinear(8, 6).weight.shape == (6, 8)
-        assert distributed.all_reduce(torch.tensor([rank + 1.0])).item() == rank + 1   # no sum over the world
+        assert group.all_reduce(torch.tensor([rank + 1.0])).item() == rank + 1   # no sum over the world
         distributed.destroy_tensor_parallel()
-        distributed.init_tensor_parallel(2)
-        assert (distributed.get_tp_size(), distributed.get_tp_rank()) == (2, rank)
-        assert ColumnParallelLinear(8, 6).weight.shape == (3, 8)
-        assert distributed.all_reduce(torch.tensor([rank + 1.0])).item() == 3
+        group = distributed.init_tensor_parallel(2)
+        assert (group.world_size, group.rank_in_group) == (2, rank)
+        layer = ColumnParallelLinear(8, 6)
+        assert layer.weight.shape == (3, 8) and layer.tp_group is group
+        assert group.all_reduce(torch.tensor([rank + 1.0])).item() == 3
+        with distributed.building_for(distributed.GroupCoordinator([0])):   # one rank's engine beside it
+            assert ColumnParallelLinear(8, 6).weight.shape == (6, 8)
+        assert distributed.get_tp_group() is group
         gathered = distributed.get_tp_group().gather(torch.tensor([[rank]]))
         assert gathered.tolist() == [[0, 1]] if rank == 0 else gathered is None
         assert distributed.get_tp_group().broadcast(torch.tensor([rank + 5])).item() == 5

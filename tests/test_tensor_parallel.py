@@ -5,6 +5,7 @@ ranks then hold); with chunked prefill, prefix caching, preemption, seeded sampl
 the tokens equal one rank's, with async scheduling and without; and the processes and shared
 memory are gone after shutdown, after a worker is killed, and after Ctrl-C.
 """
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -133,6 +134,26 @@ def test_ctrl_c_stops_the_workers(llama_dir):
     assert_all_stopped(pids, shm_before)
     with pytest.raises(EngineDeadError):
         llm.generate(random_prompts([7]), GREEDY, use_tqdm=False)
+
+
+def test_engines_side_by_side(llama_dir):
+    """A one-rank engine next to a two-rank one; a second two-rank one is refused without harm;
+    dropping an engine stops its workers; a bad setting found by every rank is rank 0's ValueError."""
+    shm_before = shm_entries()
+    two = LLM(llama_dir, tensor_parallel_size=2)
+    pids = [w.pid for w in two.llm_engine.model_executor.workers]
+    expected = two.generate(random_prompts([11]), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    one = LLM(llama_dir)
+    assert one.generate(random_prompts([11]), GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+    with pytest.raises(ValueError, match="call its shutdown"):
+        LLM(llama_dir, tensor_parallel_size=2)
+    assert two.generate(random_prompts([11]), GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+    del two
+    gc.collect()
+    assert_all_stopped(pids, shm_before)
+    with pytest.raises(ValueError, match="the KV cache holds 16 tokens"):
+        LLM(llama_dir, tensor_parallel_size=2, num_kvcache_blocks=1, max_model_len=128)
+    assert_all_stopped([], shm_before)
 
 
 def test_sizes_that_do_not_split(llama_dir):

@@ -14,12 +14,14 @@ one is rejected with a clear error before it is queued and never disturbs the ot
 request-level error can arise inside a step. An exception inside a step (a bug, the GPU failing)
 leaves the engine dead: the step's requests and every other one are lost, and every later call
 raises `EngineDeadError` saying why, instead of running on from a state nobody can vouch for.
-Ctrl-C (KeyboardInterrupt) inside a step aborts every request and keeps the engine usable.
+Ctrl-C (KeyboardInterrupt) inside a step aborts every request and keeps the engine usable; with
+tensor parallelism the ranks may be in the middle of a collective, so it stops the workers instead.
 """
 import atexit
 import copy
 import dataclasses
 import gc
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from itertools import count
@@ -32,8 +34,8 @@ from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.model_runner import AsyncModelRunnerOutput, ModelRunner
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.engine.scheduler import Scheduler
-from nanoinfer.executor.multiproc_executor import MultiprocExecutor
 from nanoinfer.engine.sequence import Sequence
+from nanoinfer.executor.multiproc_executor import MultiprocExecutor
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import SamplingParams
 
@@ -54,6 +56,8 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
         # the model runs here (one process, one device) or on tensor-parallel ranks (executor/)
         self.model_executor = ModelRunner(config) if config.tensor_parallel_size == 1 else MultiprocExecutor(config)
+        if config.tensor_parallel_size > 1:   # the workers stop with the engine, or at interpreter exit
+            weakref.finalize(self, self.model_executor.shutdown)
         block_manager = BlockManager(self.model_executor.num_kvcache_blocks, config.block_size,
                                      config.enable_prefix_caching)
         self.scheduler = Scheduler(config, block_manager)
@@ -165,15 +169,15 @@ class LLMEngine:
     def die(self, error: BaseException) -> None:
         self.error = error
         self.in_flight.clear()
-        self.shutdown()
+        self.shutdown(graceful=False)
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
         """Stop the tensor-parallel workers and free the model and its KV cache; the engine cannot
         be used afterwards. Idempotent."""
         if self.model_executor is None:
             return
         if isinstance(self.model_executor, MultiprocExecutor):
-            self.model_executor.shutdown()
+            self.model_executor.shutdown(graceful)
         self.model_executor = None
         self.error = self.error or EngineDeadError("the engine was shut down")
         gc.unfreeze()   # let the collector free the model's reference cycles

@@ -18,14 +18,14 @@ batch exactly as rank 0's runner does:
       queue <- ("sample_tokens",)         --->   runner.sample_tokens()
       sample; broadcast tokens ------------------->  next step's decode inputs
 
-Lifecycle. Workers are started with the spawn method and exit on "shutdown" (`shutdown()`, also
-at interpreter exit), when rank 0's process is gone, or on their own error, which they report
-before exiting. A monitor thread on rank 0 waits on the workers' process handles: when one dies
-it records why, stops the others and, on GPUs, aborts the NCCL groups so that nothing waits on
-the GPU for the dead rank any more; rank 0's next call raises `WorkerDiedError` saying which
-worker died and why. Workers ignore Ctrl-C: rank 0 takes it and shuts them down.
+Lifecycle. Workers are started with the spawn method and exit on "shutdown" (`shutdown()`, called
+by the engine, also when it is dropped or at interpreter exit), when rank 0's process is gone, or
+on their own error, which they report before exiting. A monitor thread on rank 0 waits on the
+workers' process handles: when one dies it records why, stops the others and, on GPUs, aborts the
+NCCL groups so that nothing waits on the GPU for the dead rank any more; rank 0's next call
+raises `WorkerDiedError` saying which worker died and why. Workers ignore Ctrl-C: rank 0 takes it
+and shuts them down.
 """
-import atexit
 import multiprocessing as mp
 import os
 import signal
@@ -54,16 +54,20 @@ class MultiprocExecutor:
         if mp.current_process().name.startswith("nanoinfer-tp"):
             raise RuntimeError("a tensor-parallel worker, importing the main script, was asked to start an "
                                "LLM itself: create it under `if __name__ == '__main__':` in your script")
+        if torch.distributed.is_initialized():
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: this process already "
+                             "belongs to a torch.distributed group (another tensor-parallel LLM still "
+                             "running? call its shutdown() first)")
         self.world_size = config.tensor_parallel_size
         ctx = mp.get_context("spawn")
         self.queue = MessageQueue(num_readers=self.world_size - 1)
         self.errors = ctx.SimpleQueue()   # a failing worker's traceback
-        started = ctx.Semaphore(0)        # released by each worker once it runs our code
+        started = ctx.Semaphore(0)        # released by each worker once its device works
         self.workers: list[mp.Process] = []
+        self.runner: ModelRunner | None = None
         self.failure: str | None = None   # why a worker died, once one has
         self.closed = False
         self.lock = threading.Lock()   # between shutdown() and the monitor thread
-        atexit.register(self.shutdown)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         try:
             for rank in range(1, self.world_size):
@@ -72,16 +76,16 @@ class MultiprocExecutor:
                                                       started)))
                 self.workers[-1].start()
             threading.Thread(target=self.monitor_workers, daemon=True).start()
-            for _ in self.workers:   # (one that fails to start never joins the group: do not wait there)
+            for _ in self.workers:   # one that fails before the rendezvous would leave us waiting there
                 wait(started, self.check_health)
             distributed.init_distributed(0, self.world_size, init_method, backend(config))
             self.runner = ModelRunner(config)
         except BaseException as e:
-            error = self.error_from(e)
-            self.shutdown()
-            if error is e:
-                raise
-            raise error from e
+            died = self.worker_died(e)
+            self.shutdown(graceful=False)
+            if died:
+                raise WorkerDiedError(self.failure) from e
+            raise
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
 
     def execute_model(self, sched: SchedulerOutput) -> None:
@@ -100,18 +104,24 @@ class MultiprocExecutor:
             self.queue.enqueue((method, args), self.check_health)
             return getattr(self.runner, method)(*args)
         except Exception as e:
-            raise self.error_from(e) from e
+            if self.worker_died(e):
+                raise WorkerDiedError(self.failure) from e
+            raise
 
     def check_health(self) -> None:
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
 
-    def error_from(self, e: BaseException) -> BaseException:
-        """A collective fails when a peer dies: then say which worker died, and why."""
+    def worker_died(self, error: BaseException) -> bool:
+        """Was `error` a worker's death? A collective fails when a peer dies, and the monitor thread
+        notices the death within milliseconds. A ValueError (a bad setting or checkpoint, which
+        every rank finds) and Ctrl-C are rank 0's own."""
+        if not isinstance(error, Exception) or isinstance(error, ValueError):
+            return False
         deadline = time.monotonic() + 1.0
         while self.failure is None and self.workers and time.monotonic() < deadline:
-            time.sleep(0.01)   # the monitor thread notices a death within milliseconds
-        return e if self.failure is None else WorkerDiedError(self.failure)
+            time.sleep(0.01)
+        return self.failure is not None
 
     def monitor_workers(self) -> None:
         handles = {w.sentinel: w for w in self.workers}
@@ -139,24 +149,40 @@ class MultiprocExecutor:
                 w.kill()
                 w.join()
 
-    def shutdown(self) -> None:
-        """Stop the workers, leave the process groups, remove the shared memory. Idempotent."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the workers, leave the process groups, remove the shared memory. Idempotent.
+        `graceful=False` (after an error in a step: the ranks may be in different places) does not
+        wait for the workers to finish. Ctrl-C is held off meanwhile, so nothing is left half-done."""
         with self.lock:
             if self.closed:
                 return
             self.closed = True
-        atexit.unregister(self.shutdown)
-        healthy = self.failure is None and all(w.is_alive() for w in self.workers) and hasattr(self, "runner")
-        if healthy:   # every worker waits for its next message
-            try:
-                self.queue.enqueue(("shutdown", ()), self.check_health)
-            except WorkerDiedError:
-                healthy = False
-        self.stop_workers(graceful=healthy)
-        distributed.destroy_distributed()
-        self.queue.close()
-        self.errors.close()
-        self.errors = None   # (its locks are named semaphores, removed with the last reference)
+        main_thread = threading.current_thread() is threading.main_thread()
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+        try:
+            graceful = graceful and self.runner is not None and self.failure is None
+            if graceful:   # every worker waits for its next message
+                deadline = time.monotonic() + 5
+
+                def check():
+                    if time.monotonic() > deadline or not all(w.is_alive() for w in self.workers):
+                        raise WorkerDiedError("a worker did not take the shutdown message")
+                try:
+                    self.queue.enqueue(("shutdown", ()), check)
+                except WorkerDiedError:
+                    graceful = False
+            self.stop_workers(graceful)
+            if self.runner is not None and self.runner.graph_runner is not None:
+                if graceful:
+                    torch.cuda.synchronize(self.runner.device)
+                self.runner.graph_runner.release()
+        finally:
+            distributed.destroy_distributed()
+            self.queue.close()
+            self.errors.close()
+            self.errors = None   # (its locks are named semaphores, removed with the last reference)
+            if main_thread:
+                signal.signal(signal.SIGINT, sigint)
 
 
 class CheckedOutput:
@@ -174,10 +200,13 @@ class CheckedOutput:
 def worker_main(config: Config, rank: int, init_method: str, queue: MessageQueue, errors, started) -> None:
     """A worker's life: join the group, build the model shard, then run calls until "shutdown"."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's to handle
-    started.release()
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
     queue.as_reader(rank - 1)
     try:
+        if config.device == "cuda":   # a device that fails, fails here, not in the rendezvous
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.zeros(1, device="cuda")
+        started.release()
         distributed.init_distributed(rank, config.tensor_parallel_size, init_method, backend(config))
         if config.device == "cpu":   # share the cores with the other ranks
             torch.set_num_threads(max(1, os.cpu_count() // config.tensor_parallel_size))
@@ -185,10 +214,12 @@ def worker_main(config: Config, rank: int, init_method: str, queue: MessageQueue
         while (call := queue.dequeue(check=lambda: None))[0] != "shutdown":
             method, args = call
             getattr(runner, method)(*args)
+        if runner.device.type == "cuda":   # the last step's collectives finish (rank 0 waits on them)
+            torch.cuda.synchronize(runner.device)
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()[-4000:]}")
         os._exit(1)
-    os._exit(0)   # rank 0 removes the shared memory and aborts the groups: nothing to wait for here
+    os._exit(0)   # rank 0 removes the shared memory and aborts the groups: nothing to tear down here
 
 
 def exit_with_parent(parent_pid: int) -> None:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.distributed import all_reduce, get_tp_group, get_tp_rank, get_tp_size
+from nanoinfer.distributed import get_tp_group
 from nanoinfer.layers.linear import copy_shard
 
 
@@ -17,7 +17,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.tp_group = get_tp_group()
+        self.tp_rank, self.tp_size = self.tp_group.rank_in_group, self.tp_group.world_size
         self.num_embeddings = num_embeddings
         self.num_per_partition = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.num_per_partition
@@ -34,12 +35,12 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.vocab_start
         in_shard = (local >= 0) & (local < self.num_per_partition)
         x = F.embedding(local.clamp(0, self.num_per_partition - 1), self.weight)
-        return all_reduce(x * in_shard.unsqueeze(-1))
+        return self.tp_group.all_reduce(x * in_shard.unsqueeze(-1))
 
 
 class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """The logits on the first tensor-parallel rank, which samples; None on the others."""
-        logits = get_tp_group().gather(F.linear(hidden_states, self.weight))
+        logits = self.tp_group.gather(F.linear(hidden_states, self.weight))
         return None if logits is None else logits[..., :self.num_embeddings]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanoinfer.distributed import get_tp_group, get_tp_size
 
 
 def divide(numerator: int, denominator: int, what: str, replicate: bool = False) -> int:
@@ -29,7 +29,8 @@ class LinearBase(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.tp_group = get_tp_group()   # kept: the collectives run over the group built for
+        self.tp_rank, self.tp_size = self.tp_group.rank_in_group, self.tp_group.world_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -132,4 +133,4 @@ class RowParallelLinear(LinearBase):
         copy_shard(param.data, loaded_weight, 1, self.tp_rank * size, size * self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None))
+        return self.tp_group.all_reduce(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None))
