@@ -13,6 +13,7 @@ they are captured in CUDA graphs like any other kernel) and gloo on the CPU. Wit
 """
 import os
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,9 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str)
         # a dead peer is handled by aborting the groups (`destroy_distributed`), not by the
         # watchdog tearing this process down
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    # a peer that has not joined in two minutes is gone (the default would wait half an hour)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(minutes=2))
     return init_tensor_parallel(world_size)
 
 

@@ -154,10 +154,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self.check_alive()
+        # until the step (or its handler below) is through; a second Ctrl-C there leaves it dead
+        self.error = EngineDeadError("a step was cut off half-way (Ctrl-C twice?): its state is unknown")
         try:
-            return self._step()
+            outputs = self._step()
         except KeyboardInterrupt as e:   # the user stopped it: drop every request, keep the engine
             if self.config.tensor_parallel_size == 1:
+                self.error = None
                 self.abort_all()
                 raise
             self.die(e)   # the ranks may be in the middle of a collective: stop them
@@ -165,6 +168,8 @@ class LLMEngine:
         except BaseException as e:
             self.die(e)
             raise
+        self.error = None
+        return outputs
 
     def die(self, error: BaseException) -> None:
         self.error = error

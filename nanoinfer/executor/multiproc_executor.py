@@ -153,12 +153,19 @@ class MultiprocExecutor:
         """Stop the workers, leave the process groups, remove the shared memory. Idempotent.
         `graceful=False` (after an error in a step: the ranks may be in different places) does not
         wait for the workers to finish. Ctrl-C is held off meanwhile, so nothing is left half-done."""
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
         main_thread = threading.current_thread() is threading.main_thread()
         sigint = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+        try:
+            with self.lock:
+                if self.closed:
+                    return
+                self.closed = True
+            self.stop(graceful)
+        finally:
+            if sigint is not None:
+                signal.signal(signal.SIGINT, sigint)
+
+    def stop(self, graceful: bool) -> None:
         try:
             graceful = graceful and self.runner is not None and self.failure is None
             if graceful:   # every worker waits for its next message
@@ -180,9 +187,7 @@ class MultiprocExecutor:
             distributed.destroy_distributed()
             self.queue.close()
             self.errors.close()
-            self.errors = None   # (its locks are named semaphores, removed with the last reference)
-            if main_thread:
-                signal.signal(signal.SIGINT, sigint)
+            self.errors = self.runner = None   # (the model and KV cache; the queue's named semaphores)
 
 
 class CheckedOutput:
