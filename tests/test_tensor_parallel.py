@@ -67,6 +67,9 @@ def engine_run(path: str, tp: int, async_scheduling: bool = True) -> tuple[list,
         outputs += llm.generate(prompts[1:], params[1:], use_tqdm=False)
         scheduler = llm.llm_engine.scheduler
         assert scheduler.num_preemptions > 0 and scheduler.block_manager.num_prefix_hit_tokens >= 32
+        assert llm.reset_prefix_cache()
+        again = llm.generate(prompts[:1], params[:1], use_tqdm=False)[0]
+        assert again.outputs[0].token_ids == outputs[0].outputs[0].token_ids and not again.num_cached_tokens
     finally:
         llm.shutdown()
     for prompt, out in zip(prompts[::3], outputs[::3]):
