@@ -46,6 +46,11 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+# the engine's error while a step runs: still there afterwards if the step (or its Ctrl-C handler)
+# was itself cut off, which leaves the engine's state unknown
+STEP_CUT_OFF = EngineDeadError("a step was cut off half-way (Ctrl-C twice?): its state is unknown")
+
+
 atexit.register(gc.unfreeze)   # what LLMEngine froze is freed at exit (extensions check for leaks)
 
 
@@ -154,8 +159,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self.check_alive()
-        # until the step (or its handler below) is through; a second Ctrl-C there leaves it dead
-        self.error = EngineDeadError("a step was cut off half-way (Ctrl-C twice?): its state is unknown")
+        self.error = STEP_CUT_OFF   # until the step, or its handler below, is through
         try:
             outputs = self._step()
         except KeyboardInterrupt as e:   # the user stopped it: drop every request, keep the engine

@@ -94,9 +94,6 @@ class MultiprocExecutor:
     def sample_tokens(self) -> AsyncModelRunnerOutput:
         return CheckedOutput(self.call("sample_tokens"), self)
 
-    def reset(self) -> None:
-        self.call("reset")
-
     def call(self, method: str, *args):
         """Run `method` of the model runner on every rank: the workers through the queue, then here."""
         self.check_health()
