@@ -15,6 +15,8 @@ forward writes each layer's K/V before any attention of that layer reads them.
 Freed blocks (ref_count 0) go to the back of the free queue but keep their hash: they can still
 be hit until reused (lazy eviction). New blocks come from the front, so the block freed longest
 ago is evicted first; a sequence frees its blocks tail first, so its prefix stays longest.
+Blocks never used yet come before all freed ones: they are made when first handed out (ids count
+up from 0), because a small model on a large GPU has tens of millions of blocks, most never used.
 """
 from collections import OrderedDict
 
@@ -35,15 +37,16 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.num_blocks = num_blocks
+        self.blocks: list[Block] = []   # the blocks handed out so far: block i is blocks[i]
         self.hash_to_block: dict[int, int] = {}
-        self.free_block_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free_block_queue: OrderedDict[int, None] = OrderedDict()   # freed blocks, oldest first
         self.num_prefix_query_tokens = 0   # prompt tokens looked up in the prefix cache
         self.num_prefix_hit_tokens = 0     # of those, found there
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_queue)
+        return self.num_blocks - len(self.blocks) + len(self.free_block_queue)
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """The blocks of the longest cached prefix of `seq`, leaving at least one token to compute."""
@@ -83,6 +86,10 @@ class BlockManager:
         return new_blocks
 
     def _pop_free_block(self) -> int:
+        if len(self.blocks) < self.num_blocks:   # a block never used yet
+            self.blocks.append(Block(len(self.blocks)))
+            self.blocks[-1].ref_count = 1
+            return len(self.blocks) - 1
         block_id, _ = self.free_block_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
@@ -105,7 +112,7 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (a benchmark's fresh start); only while no block is in use."""
-        if self.num_free_blocks < len(self.blocks):
+        if self.num_free_blocks < self.num_blocks:
             return False
         self.hash_to_block.clear()
         for block in self.blocks:
