@@ -35,7 +35,8 @@ from collections import defaultdict
 import torch
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.engine.model_runner import AsyncModelRunnerOutput
+from nanoinfer.engine.model_runner import AsyncModelRunnerOutput, ModelRunner
+from nanoinfer.executor.multiproc_executor import FutureOutput
 from nanoinfer.sampling_params import RequestOutputKind
 
 QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
@@ -106,12 +107,13 @@ class StepTimer:
         self.host, self.calls, self.events = defaultdict(float), defaultdict(int), []
         self.message = (0, 0)   # (sequences, pickled bytes) of the largest pure-decode step message
         executor = engine.model_executor
-        runner = getattr(executor, "runner", executor)   # under tensor parallelism, rank 0's
         self.wrap(engine.scheduler, "schedule", "schedule")
-        self.wrap(runner.input_batch, "update", "apply step message")
-        self.wrap(runner.input_batch, "prepare_inputs", "prepare inputs")
-        self.wrap(runner.input_batch, "sampling_metadata", "prepare sampling")
+        if isinstance(executor, ModelRunner):   # (under tensor parallelism the ranks' workers do this)
+            self.wrap(executor.input_batch, "update", "apply step message")
+            self.wrap(executor.input_batch, "prepare_inputs", "prepare inputs")
+            self.wrap(executor.input_batch, "sampling_metadata", "prepare sampling")
         self.wrap(AsyncModelRunnerOutput, "get_output", "wait for tokens")
+        self.wrap(FutureOutput, "get_output", "wait for tokens")
         self.wrap(engine.scheduler, "update_from_output", "update")
         self.wrap(engine.output_processor, "process_outputs", "outputs")
         execute_model, sample_tokens = executor.execute_model, executor.sample_tokens
@@ -307,7 +309,7 @@ def main():
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
     output_tokens = sum(p.max_tokens for p in params)
     input_tokens = sum(len(p) for p in prompts)
-    timer, times = StepTimer(llm.llm_engine, on_gpu), []
+    timer, times = StepTimer(llm.llm_engine, on_gpu and args.tp == 1), []   # (the GPUs' work is in the workers)
     for run in range(args.runs):
         llm.reset_prefix_cache()   # every run starts cold, as the first did
         if on_gpu:

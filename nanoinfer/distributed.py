@@ -11,8 +11,6 @@ The backend is NCCL on GPUs (one GPU a rank; its collectives are kernels on the 
 they are captured in CUDA graphs like any other kernel) and gloo on the CPU. With one process
 (the default) the group has one rank and every collective is a no-op.
 """
-import os
-from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -55,9 +53,6 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str)
     """Join the world (rank `rank` of `world_size`) and form the tensor-parallel groups."""
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-        # a dead peer is handled by aborting the groups (`destroy_distributed`), not by the
-        # watchdog tearing this process down
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     # a peer that has not joined in two minutes is gone (the default would wait half an hour)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(minutes=2))
@@ -83,32 +78,6 @@ def destroy_tensor_parallel() -> None:
     if _TP.group is not None:
         dist.destroy_process_group(_TP.group)
     _TP = GroupCoordinator([0])
-
-
-def destroy_distributed() -> None:
-    """Leave the world. NCCL's communicators are aborted rather than destroyed: that never waits on
-    the other ranks (which have exited, or died), and kernels still waiting on them return."""
-    global _TP
-    if not dist.is_initialized():
-        return
-    if dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()   # every group
-    else:
-        destroy_tensor_parallel()
-        dist.destroy_process_group()
-    _TP = GroupCoordinator([0])
-
-
-@contextmanager
-def building_for(group: GroupCoordinator):
-    """Layers built inside take `group` as theirs (and keep it), whatever this process's group is:
-    an engine with one rank can live beside a tensor-parallel one."""
-    global _TP
-    previous, _TP = _TP, group
-    try:
-        yield group
-    finally:
-        _TP = previous
 
 
 def get_tp_group() -> GroupCoordinator:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from nanoinfer.attention import AttentionMetadata, get_attn_backend, set_forward_context
 from nanoinfer.config import Config
-from nanoinfer.distributed import GroupCoordinator, building_for, get_tp_group
+from nanoinfer.distributed import GroupCoordinator, get_tp_group
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.input_batch import InputBatch, StepInputs
 from nanoinfer.engine.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -78,7 +78,7 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device), building_for(self.tp_group):
+            with torch.device(self.device):
                 self.model = MODEL_REGISTRY[arch](hf_config, config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)

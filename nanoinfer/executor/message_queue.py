@@ -1,9 +1,9 @@
 """How a step reaches the worker processes: a ring of slots in shared memory, one writer, N readers.
 
-Rank 0 pickles each call (a method name and its arguments, e.g. the step's `SchedulerOutput`, a
-few KB) into the next slot of a `multiprocessing.shared_memory` buffer and signals every reader;
+The engine pickles each call (a method name and its arguments, e.g. the step's `SchedulerOutput`,
+a few KB) into the next slot of a `multiprocessing.shared_memory` buffer and signals every reader;
 each worker copies it out, marks the slot read, and unpickles it. Nothing goes through a pipe or
-a socket, and rank 0 only waits when it is a whole ring ahead of the slowest worker.
+a socket, and the writer only waits when it is a whole ring ahead of the slowest worker.
 
     slot i % num_slots:  [ length: u32 | last: u32 | payload ... ]
 
@@ -33,10 +33,11 @@ class MessageQueue:
         self.free = [ctx.Semaphore(num_slots) for _ in range(num_readers)]
         self.reader: int | None = None   # which reader this process is (None: the writer)
         self.index = 0                   # the next slot to write or read, counting from 0
+        self.owner = True                # this process made the segment and removes it
 
     def __getstate__(self):   # what a worker process receives: the segment's name, not its memory
         state = self.__dict__.copy()
-        state["shm"] = self.shm.name
+        state.update(shm=self.shm.name, reader=None, owner=False)
         return state
 
     def __setstate__(self, state):
@@ -52,19 +53,19 @@ class MessageQueue:
         chunk = self.slot_bytes - HEADER.size
         for start in range(0, max(len(data), 1), chunk):
             part = data[start:start + chunk]
-            for sem in self.free:   # every reader has read what this slot held
-                wait(sem, check)
+            for reader in range(len(self.free)):   # every reader has read what this slot held
+                wait(self.free, reader, check)
             offset = (self.index % self.num_slots) * self.slot_bytes
             HEADER.pack_into(self.shm.buf, offset, len(part), start + chunk >= len(data))
             self.shm.buf[offset + HEADER.size:offset + HEADER.size + len(part)] = part
             self.index += 1
-            for sem in self.written:
-                sem.release()
+            for reader in range(len(self.written)):
+                self.written[reader].release()
 
     def dequeue(self, check: Callable[[], None]):
         parts = []
         while True:
-            wait(self.written[self.reader], check)
+            wait(self.written, self.reader, check)
             offset = (self.index % self.num_slots) * self.slot_bytes
             length, last = HEADER.unpack_from(self.shm.buf, offset)
             parts.append(bytes(self.shm.buf[offset + HEADER.size:offset + HEADER.size + length]))
@@ -74,13 +75,15 @@ class MessageQueue:
                 return pickle.loads(b"".join(parts))
 
     def close(self) -> None:
-        """Detach; the writer also removes the segment (readers must have detached or died)."""
+        """Detach; the owner also removes the segment (the others must have detached or died)."""
         self.shm.close()
-        if self.reader is None:
+        if self.owner:
             self.shm.unlink()
-        self.written = self.free = []   # the last reference: the named semaphores are removed
+        self.written.clear()   # the last references: the named semaphores are removed (the lists,
+        self.free.clear()      # not the semaphores, are what a failed wait's traceback holds)
 
 
-def wait(sem, check: Callable[[], None], timeout: float = 0.5) -> None:
-    while not sem.acquire(timeout=timeout):
+def wait(sems: list, i: int, check: Callable[[], None], timeout: float = 0.5) -> None:
+    """Take semaphore `sems[i]`, running `check()` every `timeout` seconds meanwhile."""
+    while not sems[i].acquire(timeout=timeout):
         check()
