@@ -50,7 +50,7 @@ def test_full_blocks_only_are_cached_and_hit():
     assert bm.get_computed_blocks(second) == first.block_table[:2]
     assert admit(bm, second)
     assert second.block_table[:2] == first.block_table[:2]
-    assert [bm.blocks[b].ref_count for b in first.block_table] == [2, 2, 1]
+    assert [bm.ref_counts[b] for b in first.block_table] == [2, 2, 1]
     assert (bm.num_prefix_query_tokens, bm.num_prefix_hit_tokens) == (20, 8)
 
 
@@ -104,7 +104,7 @@ def test_revived_block_leaves_free_queue():
     b = seq_of(range(9))
     assert admit(bm, b)   # 2 revived + 1 new = all 3 blocks
     assert bm.num_free_blocks == 0
-    assert [bm.blocks[i].ref_count for i in b.block_table] == [1, 1, 1]
+    assert [bm.ref_counts[i] for i in b.block_table] == [1, 1, 1]
     assert not admit(bm, seq_of([7]))   # all or nothing: nothing changed
     assert bm.num_free_blocks == 0
 
@@ -123,13 +123,13 @@ def test_random_streams_leak_nothing():
                 live.append(seq)
         held = {b for s in live for b in s.block_table}
         assert bm.num_free_blocks == 32 - len(held)
-        for block in bm.blocks:
-            assert block.ref_count == sum(s.block_table.count(block.block_id) for s in live)
+        for block_id in range(bm.num_blocks):
+            assert bm.ref_counts[block_id] == sum(s.block_table.count(block_id) for s in live)
         for block_hash, block_id in bm.hash_to_block.items():
-            assert bm.blocks[block_id].block_hash == block_hash
+            assert bm.block_hash[block_id] == block_hash
     for seq in live:
         bm.free(seq)
-    assert bm.num_free_blocks == 32 and all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.num_free_blocks == 32 and not bm.ref_counts.any()
 
 
 def test_only_the_scheduler_moves_num_computed_tokens():

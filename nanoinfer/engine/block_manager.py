@@ -15,21 +15,13 @@ forward writes each layer's K/V before any attention of that layer reads them.
 Freed blocks (ref_count 0) go to the back of the free queue but keep their hash: they can still
 be hit until reused (lazy eviction). New blocks come from the front, so the block freed longest
 ago is evicted first; a sequence frees its blocks tail first, so its prefix stays longest.
-Blocks never used yet come before all freed ones: they are made when first handed out (ids count
-up from 0), because a small model on a large GPU has tens of millions of blocks, most never used.
+Blocks never used yet come before all freed ones, in order of their ids.
 """
 from collections import OrderedDict
 
+import numpy as np
+
 from nanoinfer.engine.sequence import Sequence
-
-
-class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.block_hash: int | None = None
 
 
 class BlockManager:
@@ -38,15 +30,18 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_blocks = num_blocks
-        self.blocks: list[Block] = []   # the blocks handed out so far: block i is blocks[i]
+        # one number per block, not one object: a small model on a large GPU has tens of millions
+        self.ref_counts = np.zeros(num_blocks, np.int32)
+        self.block_hash: dict[int, int] = {}      # block -> the hash of its content, if full
         self.hash_to_block: dict[int, int] = {}
+        self.next_unused = 0   # blocks next_unused.. have never been used; they go first, in order
         self.free_block_queue: OrderedDict[int, None] = OrderedDict()   # freed blocks, oldest first
         self.num_prefix_query_tokens = 0   # prompt tokens looked up in the prefix cache
         self.num_prefix_hit_tokens = 0     # of those, found there
 
     @property
     def num_free_blocks(self) -> int:
-        return self.num_blocks - len(self.blocks) + len(self.free_block_queue)
+        return self.num_blocks - self.next_unused + len(self.free_block_queue)
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """The blocks of the longest cached prefix of `seq`, leaving at least one token to compute."""
@@ -70,31 +65,30 @@ class BlockManager:
         num_needed = -(-num_total // self.block_size) - len(seq.block_table) - len(computed_blocks)
         if num_needed <= 0 and not computed_blocks:
             return []
-        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        num_revived = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
         if max(num_needed, 0) + num_revived > self.num_free_blocks:
             return None
         if not seq.block_table:
             self.num_prefix_query_tokens += seq.num_tokens
             self.num_prefix_hit_tokens += len(computed_blocks) * self.block_size
         for block_id in computed_blocks:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
+            if self.ref_counts[block_id] == 0:
                 del self.free_block_queue[block_id]
-            block.ref_count += 1
+            self.ref_counts[block_id] += 1
         new_blocks = list(computed_blocks) + [self._pop_free_block() for _ in range(num_needed)]
         seq.block_table += new_blocks
         return new_blocks
 
     def _pop_free_block(self) -> int:
-        if len(self.blocks) < self.num_blocks:   # a block never used yet
-            self.blocks.append(Block(len(self.blocks)))
-            self.blocks[-1].ref_count = 1
-            return len(self.blocks) - 1
-        block_id, _ = self.free_block_queue.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
-            del self.hash_to_block[block.block_hash]   # evicted: its cached content is overwritten
-        block.block_hash, block.ref_count = None, 1
+        if self.next_unused < self.num_blocks:
+            block_id = self.next_unused
+            self.next_unused += 1
+        else:
+            block_id, _ = self.free_block_queue.popitem(last=False)
+            block_hash = self.block_hash.pop(block_id, None)
+            if block_hash is not None and self.hash_to_block.get(block_hash) == block_id:
+                del self.hash_to_block[block_hash]   # evicted: its cached content is overwritten
+        self.ref_counts[block_id] = 1
         return block_id
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -103,26 +97,23 @@ class BlockManager:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
         first = num_full   # cached blocks form a prefix of the table: walk back to its end
-        while first > 0 and self.blocks[seq.block_table[first - 1]].block_hash is None:
+        while first > 0 and seq.block_table[first - 1] not in self.block_hash:
             first -= 1
         for i in range(first, num_full):
-            block = self.blocks[seq.block_table[i]]
-            block.block_hash = seq.block_hashes[i]
-            self.hash_to_block.setdefault(block.block_hash, block.block_id)
+            self.block_hash[seq.block_table[i]] = seq.block_hashes[i]
+            self.hash_to_block.setdefault(seq.block_hashes[i], seq.block_table[i])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (a benchmark's fresh start); only while no block is in use."""
         if self.num_free_blocks < self.num_blocks:
             return False
         self.hash_to_block.clear()
-        for block in self.blocks:
-            block.block_hash = None
+        self.block_hash.clear()
         return True
 
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
                 self.free_block_queue[block_id] = None
         seq.block_table = []
