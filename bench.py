@@ -24,6 +24,7 @@ minute, and says so; the roofline is only printed on a GPU.
 """
 import argparse
 import json
+import multiprocessing
 import os
 import pickle
 import random
@@ -31,6 +32,7 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -84,8 +86,9 @@ def roofline(cfg, prompt_lens: list[int], output_lens: list[int], dtype_bytes: i
     return bytes_moved, flops
 
 
-def measure_gpu_limits() -> tuple[float, float]:
-    """(copy bandwidth in bytes/s, counting read + write; bf16 matmul FLOP/s), median of runs."""
+def measure_gpu_limits() -> tuple[float, float, str]:
+    """(copy bandwidth in bytes/s, counting read + write; bf16 matmul FLOP/s), median of runs, and
+    the GPU's name."""
     import triton.testing
     src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -95,7 +98,7 @@ def measure_gpu_limits() -> tuple[float, float]:
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     ms = triton.testing.do_bench(lambda: a @ b, return_mode="median")
-    return bandwidth, 2 * 8192**3 / (ms * 1e-3)
+    return bandwidth, 2 * 8192**3 / (ms * 1e-3), torch.cuda.get_device_name()
 
 
 class StepTimer:
@@ -201,7 +204,7 @@ def kernels() -> None:
     from nanoinfer.kernels.prefill_attention import prefill_attention
     heads, kv_heads, dim, page, dev = 16, 8, 128, 16, "cuda"
     bench_ms = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")  # noqa: E731
-    bandwidth, _ = measure_gpu_limits()
+    bandwidth, *_ = measure_gpu_limits()
     print(f"device copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)")
 
     def torch_sdpa(q, k, v, causal):
@@ -294,11 +297,11 @@ def main():
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
     if args.mode == "latency":
         kwargs["max_model_len"] = args.input_len + args.output_len
-    bandwidth = peak = None
-    if on_gpu:   # before the engine takes its share of the GPU memory
-        bandwidth, peak = measure_gpu_limits()
+    bandwidth = peak = gpu_name = None
+    if on_gpu:   # in a process of its own: this one then holds no GPU memory beside the engine's
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            bandwidth, peak, gpu_name = pool.submit(measure_gpu_limits).result()
         bandwidth, peak = args.tp * bandwidth, args.tp * peak   # each GPU moves and computes its shard
-        torch.cuda.empty_cache()
     start = time.perf_counter()
     llm = LLM(model, **kwargs)
     print(f"engine start-up (weights, KV cache, CUDA graphs): {time.perf_counter() - start:.1f} s")
@@ -309,14 +312,15 @@ def main():
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
     output_tokens = sum(p.max_tokens for p in params)
     input_tokens = sum(len(p) for p in prompts)
-    timer, times = StepTimer(llm.llm_engine, on_gpu and args.tp == 1), []   # (the GPUs' work is in the workers)
+    here = on_gpu and args.tp == 1   # the GPU work is in this process (else in the ranks' workers)
+    timer, times = StepTimer(llm.llm_engine, here), []
     for run in range(args.runs):
         llm.reset_prefix_cache()   # every run starts cold, as the first did
-        if on_gpu:
+        if here:
             torch.cuda.synchronize()
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        if on_gpu:
+        if here:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         print(f"run {run + 1}: {output_tokens / times[-1]:,.0f} output tok/s")
@@ -329,7 +333,7 @@ def main():
         dtype_bytes = llm.llm_engine.config.torch_dtype.itemsize
         bytes_moved, flops = roofline(cfg, [len(p) for p in prompts], [p.max_tokens for p in params], dtype_bytes)
         bound = max(bytes_moved / bandwidth, flops / peak)
-        print(f"roofline on {args.tp} x {torch.cuda.get_device_name()}: {bytes_moved / 1e12:.2f} TB at "
+        print(f"roofline on {args.tp} x {gpu_name}: {bytes_moved / 1e12:.2f} TB at "
               f"{bandwidth / 1e12:.2f} TB/s = {bytes_moved / bandwidth:.2f} s; {flops / 1e12:.0f} TFLOP at "
               f"{peak / 1e12:.0f} TFLOP/s = {flops / peak:.2f} s; bound {output_tokens / bound:,.0f} output tok/s; "
               f"achieved {bound / elapsed:.1%} of it")

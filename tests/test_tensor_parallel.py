@@ -121,6 +121,17 @@ def test_killed_worker_raises_within_seconds(llama_dir, rank):
     assert_all_stopped([w.pid for w in workers], shm_before)
 
 
+def test_worker_that_raises_reports_why(llama_dir):
+    shm_before = shm_entries()
+    llm = LLM(llama_dir, tensor_parallel_size=2)
+    executor = llm.llm_engine.model_executor
+    executor.queue.enqueue(("no_such_method", ()), executor.check_health)   # every rank raises
+    with pytest.raises(WorkerDiedError, match=r"(?s)exit code 1.*rank \d: .*AttributeError.*no_such_method"):
+        llm.generate(random_prompts([9]), GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert_all_stopped([w.pid for w in executor.workers], shm_before)
+
+
 def test_ctrl_c_stops_the_workers(llama_dir):
     shm_before = shm_entries()
     llm = LLM(llama_dir, tensor_parallel_size=2)

@@ -15,7 +15,7 @@ request-level error can arise inside a step. An exception inside a step (a bug, 
 leaves the engine dead: the step's requests and every other one are lost, and every later call
 raises `EngineDeadError` saying why, instead of running on from a state nobody can vouch for.
 Ctrl-C (KeyboardInterrupt) inside a step aborts every request and keeps the engine usable; with
-tensor parallelism the ranks may be in the middle of a collective, so it stops the workers instead.
+tensor parallelism it may have cut a message to the workers in half, so it stops them instead.
 """
 import atexit
 import copy
@@ -31,7 +31,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.model_runner import AsyncModelRunnerOutput, ModelRunner
+from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Sequence
@@ -67,7 +67,7 @@ class LLMEngine:
                                      config.enable_prefix_caching)
         self.scheduler = Scheduler(config, block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.in_flight: deque[AsyncModelRunnerOutput] = deque()   # the outputs of launched steps
+        self.in_flight: deque = deque()   # the outputs of launched steps (`get_output()` waits)
         self.seq_counter = count()
         self.error: BaseException | None = None   # what killed the engine, if anything did
         self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for progress bars

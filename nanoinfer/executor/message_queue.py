@@ -3,16 +3,17 @@
 The engine pickles each call (a method name and its arguments, e.g. the step's `SchedulerOutput`,
 a few KB) into the next slot of a `multiprocessing.shared_memory` buffer and signals every reader;
 each worker copies it out, marks the slot read, and unpickles it. Nothing goes through a pipe or
-a socket, and the writer only waits when it is a whole ring ahead of the slowest worker.
+a socket, and the writer only waits when it is a whole ring ahead of the slowest reader. A second
+ring carries rank 0's sampled tokens back, with rank 0 as its writer and the engine its reader.
 
     slot i % num_slots:  [ length: u32 | last: u32 | payload ... ]
 
 A message longer than a slot (a step that admits many long prompts) is cut into chunks that follow
 each other through the ring. The signals are semaphores, two per reader: `written` counts the
 slots it may read, `free` the slots it has finished with (the writer takes one from every reader
-before it overwrites a slot). Every wait has a timeout, after which `check()` runs (the writer
-checks its workers are alive, a reader that its parent is), so that nobody waits forever on a
-process that has died.
+before it overwrites a slot). Every wait has a timeout, after which `check()` runs (the engine
+checks that its workers are alive), so that it never waits forever on a process that has died;
+a worker exits by itself when the engine's process is gone.
 """
 import multiprocessing as mp
 import pickle
@@ -76,9 +77,12 @@ class MessageQueue:
 
     def close(self) -> None:
         """Detach; the owner also removes the segment (the others must have detached or died)."""
-        self.shm.close()
         if self.owner:
-            self.shm.unlink()
+            self.shm.unlink()   # the name goes now, the memory once every process has detached
+        try:
+            self.shm.close()
+        except BufferError:   # another thread, being stopped, still reads a slot: it detaches later
+            pass
         self.written.clear()   # the last references: the named semaphores are removed (the lists,
         self.free.clear()      # not the semaphores, are what a failed wait's traceback holds)
 

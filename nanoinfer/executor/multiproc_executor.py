@@ -62,23 +62,24 @@ class MultiprocExecutor:
         self.errors = ctx.SimpleQueue()   # a failing worker's (error if a ValueError, traceback)
         self.workers: list[mp.Process] = []
         self.failure: str | None = None   # why a worker died, once one has
-        self.setting_error: ValueError | None = None   # a ValueError a worker died of
+        self.setting_error: str | None = None   # the message of a ValueError a worker died of
         self.closed = False
         self.lock = threading.Lock()   # between shutdown() and the monitor thread
         init_method = f"tcp://127.0.0.1:{free_port()}"
         try:
             for rank in range(config.tensor_parallel_size):
-                self.workers.append(ctx.Process(target=worker_main, name=f"nanoinfer-tp{rank}", daemon=True,
-                                                args=(config, rank, init_method, self.queue,
-                                                      self.responses if rank == 0 else None, self.errors)))
-                self.workers[-1].start()
+                worker = ctx.Process(target=worker_main, name=f"nanoinfer-tp{rank}", daemon=True,
+                                     args=(config, rank, init_method, self.queue,
+                                           self.responses if rank == 0 else None, self.errors))
+                worker.start()
+                self.workers.append(worker)
             self.responses.as_reader(0)
             threading.Thread(target=self.monitor_workers, daemon=True).start()
             self.num_kvcache_blocks = self.responses.dequeue(self.check_health)   # rank 0 is ready
         except BaseException as e:
             self.shutdown(graceful=False)
             if isinstance(e, WorkerDiedError) and self.setting_error is not None:
-                raise self.setting_error from None   # a bad setting, found by the ranks
+                raise ValueError(self.setting_error) from e   # a bad setting, found by the ranks
             raise
 
     def execute_model(self, sched: SchedulerOutput) -> None:
@@ -91,6 +92,8 @@ class MultiprocExecutor:
     def check_health(self) -> None:
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
+        if self.closed:   # shut down by another thread
+            raise WorkerDiedError("the tensor-parallel workers were shut down")
 
     def monitor_workers(self) -> None:
         handles = {w.sentinel: w for w in self.workers}
@@ -100,13 +103,15 @@ class MultiprocExecutor:
                 return
             dead.join(timeout=1)
             reports = []
-            while not self.errors.empty():
-                reports.append(self.errors.get())
-            self.stop_workers(graceful=False)
-            self.setting_error = next((e for e, _ in reports if e is not None), None)
-            self.failure = (f"tensor-parallel worker {dead.name} (pid {dead.pid}) died with exit code "
-                            f"{dead.exitcode}" + ("".join(f"\n{r}" for _, r in reports)
-                                                  or " (its output may say why)"))
+            try:
+                while not self.errors.empty():
+                    reports.append(self.errors.get())
+            finally:
+                self.stop_workers(graceful=False)
+                self.setting_error = next((m for m, _ in reports if m is not None), None)
+                self.failure = (f"tensor-parallel worker {dead.name} (pid {dead.pid}) died with exit code "
+                                f"{dead.exitcode}" + ("".join(f"\n{r}" for _, r in reports)
+                                                      or " (its output may say why)"))
 
     def stop_workers(self, graceful: bool) -> None:
         for w in self.workers:
@@ -194,10 +199,14 @@ def send_outputs(outputs: queue.SimpleQueue, responses: MessageQueue, errors) ->
 
 
 def report(errors, rank: int, error: BaseException) -> None:
-    """Tell the engine why this worker dies (a bad setting is re-raised there as it is), and die."""
-    errors.put((error if isinstance(error, ValueError) else None,
-                f"rank {rank}: {traceback.format_exc()[-4000:]}"))
-    os._exit(1)
+    """Tell the engine why this worker dies, and die. Only short strings go: a report must fit the
+    pipe whole (nobody reads it until the worker is dead) and unpickle anywhere. The message of a
+    ValueError (a bad setting, found at start-up) becomes the engine's own ValueError."""
+    try:
+        errors.put((str(error)[:2000] if isinstance(error, ValueError) else None,
+                    f"rank {rank}: {traceback.format_exc()[-4000:]}"))
+    finally:
+        os._exit(1)
 
 
 def exit_with_parent(parent_pid: int) -> None:
