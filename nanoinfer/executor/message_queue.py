@@ -15,6 +15,7 @@ before it overwrites a slot). Every wait has a timeout, after which `check()` ru
 checks that its workers are alive), so that it never waits forever on a process that has died;
 a worker exits by itself when the engine's process is gone.
 """
+import contextlib
 import multiprocessing as mp
 import pickle
 import struct
@@ -77,14 +78,14 @@ class MessageQueue:
 
     def close(self) -> None:
         """Detach; the owner also removes the segment (the others must have detached or died)."""
-        if self.owner:
-            self.shm.unlink()   # the name goes now, the memory once every process has detached
         try:
-            self.shm.close()
-        except BufferError:   # another thread, being stopped, still reads a slot: it detaches later
-            pass
-        self.written.clear()   # the last references: the named semaphores are removed (the lists,
-        self.free.clear()      # not the semaphores, are what a failed wait's traceback holds)
+            if self.owner:
+                self.shm.unlink()   # the name goes now, the memory once every process has detached
+        finally:
+            self.written.clear()   # the last references: the named semaphores are removed (the
+            self.free.clear()      # lists, not the semaphores, are what a failed wait's traceback holds)
+            with contextlib.suppress(BufferError):   # a thread being stopped still reads a slot
+                self.shm.close()
 
 
 def wait(sems: list, i: int, check: Callable[[], None], timeout: float = 0.5) -> None:

@@ -27,6 +27,7 @@ died may wait inside a CUDA graph forever: only its process's end frees its GPU)
 engine's next wait raises `WorkerDiedError` saying which worker died and why. Workers ignore
 Ctrl-C: the engine takes it and shuts them down.
 """
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -68,11 +69,10 @@ class MultiprocExecutor:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         try:
             for rank in range(config.tensor_parallel_size):
-                worker = ctx.Process(target=worker_main, name=f"nanoinfer-tp{rank}", daemon=True,
-                                     args=(config, rank, init_method, self.queue,
-                                           self.responses if rank == 0 else None, self.errors))
-                worker.start()
-                self.workers.append(worker)
+                self.workers.append(ctx.Process(target=worker_main, name=f"nanoinfer-tp{rank}", daemon=True,
+                                                args=(config, rank, init_method, self.queue,
+                                                      self.responses if rank == 0 else None, self.errors)))
+                self.workers[-1].start()
             self.responses.as_reader(0)
             threading.Thread(target=self.monitor_workers, daemon=True).start()
             self.num_kvcache_blocks = self.responses.dequeue(self.check_health)   # rank 0 is ready
@@ -83,9 +83,11 @@ class MultiprocExecutor:
             raise
 
     def execute_model(self, sched: SchedulerOutput) -> None:
+        self.check_health()
         self.queue.enqueue(("execute_model", (sched,)), self.check_health)
 
     def sample_tokens(self) -> "FutureOutput":
+        self.check_health()
         self.queue.enqueue(("sample_tokens", ()), self.check_health)
         return FutureOutput(self)
 
@@ -115,6 +117,8 @@ class MultiprocExecutor:
 
     def stop_workers(self, graceful: bool) -> None:
         for w in self.workers:
+            if w.pid is None:   # never started (start-up was cut short)
+                continue
             w.join(timeout=5 if graceful else 0)
             if w.is_alive():
                 w.kill()
@@ -144,9 +148,9 @@ class MultiprocExecutor:
                         graceful = False
                 self.stop_workers(graceful)
             finally:
-                self.queue.close()
-                self.responses.close()
-                self.errors.close()
+                for close in (self.queue.close, self.responses.close, self.errors.close):
+                    with contextlib.suppress(OSError):   # (a segment someone else removed)
+                        close()
                 self.errors = None   # the last reference: its locks' named semaphores are removed
         finally:
             if sigint is not None:
@@ -160,6 +164,7 @@ class FutureOutput:
         self.executor = executor
 
     def get_output(self) -> ModelRunnerOutput:
+        self.executor.check_health()
         return self.executor.responses.dequeue(self.executor.check_health)
 
 
