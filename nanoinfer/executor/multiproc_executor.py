@@ -60,7 +60,7 @@ class MultiprocExecutor:
         ctx = mp.get_context("spawn")
         self.queue = MessageQueue(num_readers=config.tensor_parallel_size)   # calls, to every rank
         self.responses = MessageQueue(num_readers=1)   # rank 0's outputs, to this process
-        self.errors = ctx.SimpleQueue()   # a failing worker's (error if a ValueError, traceback)
+        self.errors = ctx.SimpleQueue()   # a dying worker's (ValueError message or None, traceback)
         self.workers: list[mp.Process] = []
         self.failure: str | None = None   # why a worker died, once one has
         self.setting_error: str | None = None   # the message of a ValueError a worker died of
