@@ -61,10 +61,3 @@ class CUDAGraphRunner:
         self.block_tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
         self.graphs[bs].replay()
         return self.hidden_states[:n]
-
-    def release(self) -> None:
-        """Free the graphs; a live graph that captured NCCL kernels keeps their communicator from
-        being torn down."""
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()

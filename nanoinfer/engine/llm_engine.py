@@ -167,7 +167,7 @@ class LLMEngine:
                 self.error = None
                 self.abort_all()
                 raise
-            self.die(e)   # the ranks may be in the middle of a collective: stop them
+            self.die(e)   # a message to the workers may be cut in half: stop them
             raise
         except BaseException as e:
             self.die(e)

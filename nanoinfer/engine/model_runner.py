@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from nanoinfer.attention import AttentionMetadata, get_attn_backend, set_forward_context
 from nanoinfer.config import Config
-from nanoinfer.distributed import GroupCoordinator, get_tp_group
+from nanoinfer.distributed import get_tp_group
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.input_batch import InputBatch, StepInputs
 from nanoinfer.engine.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -64,8 +64,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda":   # under tensor parallelism, this rank's GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
-        # this process's tensor-parallel group (set up by the executor), or none at one rank
-        self.tp_group = get_tp_group() if config.tensor_parallel_size > 1 else GroupCoordinator([0])
+        self.tp_group = get_tp_group()   # this process's (a worker's: set up by the executor; else one rank)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         hf_config = config.hf_config
