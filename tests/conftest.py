@@ -5,6 +5,7 @@ models are random (no weights can be downloaded here); the tokenizer is a small 
 trained on the spot, so multi-byte characters really do span several tokens.
 """
 import functools
+import gc
 import json
 import os
 import shutil
@@ -74,6 +75,14 @@ def engine_on_cpu_unless_gpu_test(request, monkeypatch):
     if request.node.get_closest_marker("gpu") is None:
         import nanoinfer.entrypoints.llm as llm_module
         monkeypatch.setattr(llm_module, "Config", functools.partial(llm_module.Config, device="cpu"))
+        yield
+        return
+    yield
+    # An engine a GPU test dropped leaves its memory in this process's CUDA cache, where the
+    # tensor-parallel workers of a later test (other processes) would count it as taken.
+    gc.unfreeze()   # the engine froze its objects (LLMEngine.__init__)
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")

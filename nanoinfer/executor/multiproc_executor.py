@@ -176,8 +176,10 @@ def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue
     calls.as_reader(rank)
     try:
         distributed.init_distributed(rank, config.tensor_parallel_size, init_method, backend(config))
-        if config.device == "cpu":   # share the cores with the other ranks
-            torch.set_num_threads(max(1, os.cpu_count() // config.tensor_parallel_size))
+        # on a GPU a rank's host work is launching kernels: spare threads would only contend for
+        # the cores (docs/BENCHMARKS.md: the eager prefill); on the CPU the ranks share them
+        torch.set_num_threads(max(1, os.cpu_count() // config.tensor_parallel_size)
+                              if config.device == "cpu" else 1)
         runner = ModelRunner(config)
         outputs = queue.SimpleQueue()   # rank 0: launched steps' outputs, for the sender thread
         if rank == 0:

@@ -101,24 +101,31 @@ def decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, out_st
     tl.store(out_ptr + seq * out_stride + head * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Enough (sequence, kv head, split) programs for several waves over the SMs."""
+def default_split(num_seqs: int, num_kv_heads: int, device: torch.device) -> tuple[int, int]:
+    """(num_splits, min_split_pages): enough (sequence, kv head, split) programs for several waves
+    over the SMs. Slices are long (`MIN_SPLIT_PAGES`) when the sequences alone fill the SMs, and may
+    be short (`FEW_SEQS_SPLIT_PAGES`) when they do not: at batch 1 a program's time is the latency
+    of its loop over the slice, not the bandwidth it uses."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(MAX_SPLITS, triton.cdiv(TARGET_WAVES * num_sms, num_seqs * num_kv_heads)))
+    programs = num_seqs * num_kv_heads
+    num_splits = max(1, min(MAX_SPLITS, triton.cdiv(TARGET_WAVES * num_sms, programs)))
+    return num_splits, MIN_SPLIT_PAGES if programs >= num_sms else FEW_SEQS_SPLIT_PAGES
 
 
-TARGET_WAVES, MAX_SPLITS, MIN_SPLIT_PAGES = 16, 32, 32   # measured on an H200: docs/BENCHMARKS.md
+# measured on an H200: docs/BENCHMARKS.md
+TARGET_WAVES, MAX_SPLITS, MIN_SPLIT_PAGES, FEW_SEQS_SPLIT_PAGES = 16, 32, 32, 4
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                     min_split_pages: int = MIN_SPLIT_PAGES, block_n: int = 64, num_stages: int = 2) -> torch.Tensor:
+                     min_split_pages: int | None = None, block_n: int = 64, num_stages: int = 2) -> torch.Tensor:
     """query: [seqs, heads, head_dim], one token per sequence -> output of the same shape."""
     num_seqs, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, query.device)
+    splits, min_pages = default_split(num_seqs, num_kv_heads, query.device)
+    num_splits = num_splits or splits
+    min_split_pages = min_split_pages or min_pages
     partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     block_d = triton.next_power_of_2(head_dim)
