@@ -250,6 +250,36 @@ def kernels() -> None:
     for name, t in torch_sdpa(qt, k, torch.randn_like(k), True):
         line += f"; torch {name} " + (f"{flops / t / 1e9:,.0f} TFLOP/s" if t else "n/a")
     print(line)
+    decode_slices(page, dim)
+
+
+def decode_slices(page: int, dim: int) -> None:
+    """Small-batch decode: time per call (100 calls in one CUDA graph, so no launch cost) against
+    the shortest slice of the split-KV decode (`min_split_pages`)."""
+    import triton.testing
+
+    from nanoinfer.kernels.decode_attention import decode_attention, default_split
+    for num_seqs, kv_heads, group, ctx in ((1, 4, 4, 768), (1, 8, 4, 768), (1, 8, 2, 4096), (8, 8, 2, 768),
+                                           (16, 8, 2, 1500), (64, 8, 2, 1000)):
+        blocks = num_seqs * triton.cdiv(ctx, page)
+        k_cache = torch.randn(blocks, page, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+        v_cache = torch.randn_like(k_cache)
+        block_tables = torch.randperm(blocks, device="cuda").view(num_seqs, -1).to(torch.int32)
+        context_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(num_seqs, kv_heads * group, dim, dtype=torch.bfloat16, device="cuda")
+        num_splits, chosen = default_split(num_seqs, kv_heads, q.device)
+        times = []
+        for min_pages in (1, 4, 8, 32):
+            call = lambda: decode_attention(q, k_cache, v_cache, block_tables, context_lens, dim ** -0.5,  # noqa: E731
+                                            num_splits, min_pages)
+            call()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(100):
+                    call()
+            times.append(f"{min_pages}: {triton.testing.do_bench(graph.replay, return_mode='median') * 10:.1f}")
+        print(f"decode {num_seqs} seqs x {kv_heads} kv heads x {group}, context {ctx}: µs per call by "
+              f"slice pages {', '.join(times)} (chosen: {chosen})")
 
 
 def main():
