@@ -103,17 +103,18 @@ def decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, out_st
 
 def default_split(num_seqs: int, num_kv_heads: int, device: torch.device) -> tuple[int, int]:
     """(num_splits, min_split_pages): enough (sequence, kv head, split) programs for several waves
-    over the SMs. Slices are long (`MIN_SPLIT_PAGES`) when the sequences alone fill the SMs, and may
-    be short (`FEW_SEQS_SPLIT_PAGES`) when they do not: at batch 1 a program's time is the latency
-    of its loop over the slice, not the bandwidth it uses."""
+    over the SMs. Slices are long (`MIN_SPLIT_PAGES`) when the sequences alone fill the SMs, and
+    shorter when they do not (8 pages, or 4 below a quarter of the SMs): at batch 1 a program's
+    time is the latency of its loop over the slice, not the bandwidth it uses."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     programs = num_seqs * num_kv_heads
     num_splits = max(1, min(MAX_SPLITS, triton.cdiv(TARGET_WAVES * num_sms, programs)))
-    return num_splits, MIN_SPLIT_PAGES if programs >= num_sms else FEW_SEQS_SPLIT_PAGES
+    if programs >= num_sms:
+        return num_splits, MIN_SPLIT_PAGES
+    return num_splits, 8 if 4 * programs > num_sms else 4
 
 
-# measured on an H200: docs/BENCHMARKS.md
-TARGET_WAVES, MAX_SPLITS, MIN_SPLIT_PAGES, FEW_SEQS_SPLIT_PAGES = 16, 32, 32, 4
+TARGET_WAVES, MAX_SPLITS, MIN_SPLIT_PAGES = 16, 32, 32   # measured on an H200: docs/BENCHMARKS.md
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -124,8 +125,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     splits, min_pages = default_split(num_seqs, num_kv_heads, query.device)
-    num_splits = num_splits or splits
-    min_split_pages = min_split_pages or min_pages
+    num_splits = splits if num_splits is None else num_splits
+    min_split_pages = min_pages if min_split_pages is None else min_split_pages
     partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     block_d = triton.next_power_of_2(head_dim)
