@@ -35,6 +35,8 @@ class Config:
     max_logprobs: int = 20               # the most top-N logprobs a request may ask for
     load_format: str = "auto"            # "dummy": random weights, only config.json is read
     skip_tokenizer_init: bool = False    # prompts are token ids, outputs carry no text
+    speculative_config: dict | None = None   # vLLM's keys: see SpeculativeConfig
+    speculative: "SpeculativeConfig | None" = field(init=False, default=None)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: list[int] = field(init=False)
 
@@ -71,6 +73,9 @@ class Config:
             raise ValueError(f"num_kvcache_blocks must be at least 1, got {self.num_kvcache_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.speculative_config is not None:
+            self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+            self.async_scheduling = False   # the next step's drafts need this step's tokens on the host
 
     def check_tensor_parallel(self) -> None:
         """The model's sizes must split evenly over the ranks (KV heads may be replicated)."""
@@ -106,6 +111,56 @@ class Config:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         return torch.bfloat16 if dtype in (None, torch.float32) else dtype
+
+
+@dataclass
+class SpeculativeConfig:
+    """`speculative_config={"method": ..., "num_speculative_tokens": k, ...}`, vLLM's keys. n-gram
+    looks up the last `prompt_lookup_max` down to `prompt_lookup_min` tokens (both 5 when neither
+    is given, the other's value when one is); EAGLE and Medusa read a draft head from `model`."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        unknown = set(d) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; known: "
+                             f"{sorted(cls.__dataclass_fields__)}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in d:
+                raise ValueError(f"speculative_config needs {key!r}")
+        spec = cls(**d)
+        if spec.method not in ("ngram", "eagle", "medusa"):
+            raise ValueError(f"speculative_config method must be 'ngram', 'eagle' or 'medusa', got {spec.method!r}")
+        k = spec.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {k!r}")
+        if spec.method == "ngram":
+            if spec.model is not None:
+                raise ValueError("speculative_config: 'model' is for eagle and medusa, not ngram")
+            if spec.prompt_lookup_max is None:
+                spec.prompt_lookup_max = 5 if spec.prompt_lookup_min is None else spec.prompt_lookup_min
+            if spec.prompt_lookup_min is None:
+                spec.prompt_lookup_min = spec.prompt_lookup_max
+            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+                value = getattr(spec, key)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+            if spec.prompt_lookup_min > spec.prompt_lookup_max:
+                raise ValueError(f"prompt_lookup_min={spec.prompt_lookup_min} is more than "
+                                 f"prompt_lookup_max={spec.prompt_lookup_max}")
+        else:
+            if spec.prompt_lookup_max is not None or spec.prompt_lookup_min is not None:
+                raise ValueError(f"prompt_lookup_min/max are for ngram, not {spec.method}")
+            if not isinstance(spec.model, str) or not os.path.isdir(spec.model):
+                raise ValueError(f"{spec.method} needs 'model': a folder with the draft head, got {spec.model!r}")
+        return spec
 
 
 def load_hf_config(model: str) -> PretrainedConfig:

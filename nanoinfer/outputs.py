@@ -5,7 +5,9 @@ A request with `SamplingParams(n=k)` has k completions, `outputs[0..k-1]`. Depen
 step with only what is new (DELTA: the new tokens, text and logprobs), or once at the end
 (FINAL_ONLY).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from nanoinfer.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass
@@ -35,6 +37,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)   # its drafts (all samples)
 
 
 @dataclass

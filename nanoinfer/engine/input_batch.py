@@ -10,6 +10,11 @@ vectorised gathers over the scheduled rows (`prepare_inputs`), not a Python loop
 
 The one token not known here is a decode's input that the previous step is still sampling (async
 scheduling): it is taken from that step's output on the device (`prev_sampled_token_ids`).
+
+Drafts (speculative decoding) are written after a request's known tokens without being counted;
+the tokens the step accepts overwrite them when they arrive. A request with k drafts is sampled
+at its last k + 1 positions: its logits rows are k + 1 "sample rows", each with the token count
+it samples at, so seeds, penalties and min_tokens apply to every row as they would one by one.
 """
 import itertools
 import struct
@@ -51,10 +56,13 @@ class StepInputs:
     input_ids: torch.Tensor            # int64 [tokens]
     positions: torch.Tensor            # int64 [tokens]
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor       # int64 [sampled]: the last token of each request that samples
+    logits_indices: torch.Tensor       # int64 [sample rows]: the positions whose logits are sampled
     sample_seq_ids: list[int]          # the requests that sample, in row order
-    sample_rows: np.ndarray            # their rows in the persistent batch
-    sample_ends: np.ndarray            # their token counts once this step is done
+    sample_rows: np.ndarray            # per sample row: the request's row in the persistent batch
+    sample_ends: np.ndarray            # per sample row: the position of the token it samples
+    draft_token_ids: torch.Tensor | None = None   # int64 [sampling requests, k], padded with -1
+    num_drafts: torch.Tensor | None = None        # int64 [sampling requests]
+    rows_per_request: list[int] | None = None     # its drafts and one, per sampling request
 
 
 class InputBatch:
@@ -93,6 +101,9 @@ class InputBatch:
             append_rows(self.token_ids, self.num_tokens, rows, cached.new_token_ids)
             append_rows(self.block_table, self.num_blocks, rows, cached.new_block_ids)
             self.num_computed_tokens[rows] = cached.num_computed_tokens
+        for seq_id, drafts in sched.scheduled_spec_decode_tokens.items():   # after the known tokens
+            row = self.rows[seq_id]
+            self.token_ids[row, self.num_tokens[row]:self.num_tokens[row] + len(drafts)] = drafts
 
     def add_request(self, req: NewRequestData) -> None:
         row = self.rows[req.seq_id] = self.free_rows.pop()
@@ -122,6 +133,8 @@ class InputBatch:
         bs, seq_ids = self.block_size, list(sched.num_scheduled_tokens)
         rows = np.fromiter((self.rows[s] for s in seq_ids), np.int64, len(seq_ids))
         num_new = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(seq_ids))
+        spec = sched.scheduled_spec_decode_tokens
+        num_drafts = np.fromiter((len(spec.get(s, ())) for s in seq_ids), np.int64, len(seq_ids))
         start = self.num_computed_tokens[rows]
         end = start + num_new
         cu_seqlens_q = np.concatenate([[0], np.cumsum(num_new)])
@@ -130,20 +143,33 @@ class InputBatch:
         slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         sample = end >= self.num_tokens[rows]   # the step reaches its last known token, or the one in flight
         # an input still being sampled by the previous step is taken from that step's output
-        in_flight = np.flatnonzero(positions >= self.num_tokens[token_rows])
+        in_flight = np.flatnonzero(positions >= self.num_tokens[token_rows] + np.repeat(num_drafts, num_new))
         owners = np.searchsorted(cu_seqlens_q, in_flight, side="right") - 1
         prev_index = [self.prev_sample_index[seq_ids[i]] for i in owners]
+        # a request with k drafts samples at its last k + 1 positions
+        per_row = num_drafts[sample] + 1
+        first = np.repeat(np.cumsum(per_row) - per_row, per_row)
+        j = np.arange(per_row.sum()) - first   # which of its positions
+        logits_indices = np.repeat(cu_seqlens_q[1:][sample] - per_row, per_row) + j
+        sample_ends = np.repeat(end[sample] - per_row + 1, per_row) + j
         input_ids, positions, slot_mapping, logits_indices, in_flight, prev_index = self.to_device(
             np.int64, self.token_ids[token_rows, positions], positions, slot_mapping,
-            cu_seqlens_q[1:][sample] - 1, in_flight, prev_index)
+            logits_indices, in_flight, prev_index)
         if len(in_flight):
             input_ids[in_flight] = self.prev_sampled_token_ids[prev_index]
         cu_seqlens_q, context_lens, block_tables = self.to_device(
             np.int32, cu_seqlens_q, end, self.block_table[rows, :-(-end.max() // bs)])
         meta = AttentionMetadata(cu_seqlens_q=cu_seqlens_q, context_lens=context_lens, slot_mapping=slot_mapping,
                                  block_tables=block_tables, max_seqlen_q=int(num_new.max()))
-        return StepInputs(input_ids, positions, meta, logits_indices, [s for s, x in zip(seq_ids, sample) if x],
-                          rows[sample], end[sample])
+        step = StepInputs(input_ids, positions, meta, logits_indices, [s for s, x in zip(seq_ids, sample) if x],
+                          np.repeat(rows[sample], per_row), sample_ends)
+        if spec:
+            drafts = [spec.get(s, []) for s in step.sample_seq_ids]
+            width = max(map(len, drafts))
+            padded = np.array([d + [-1] * (width - len(d)) for d in drafts], np.int64).reshape(-1, width)
+            step.draft_token_ids, step.num_drafts = self.to_device(np.int64, padded, per_row - 1)
+            step.rows_per_request = per_row.tolist()
+        return step
 
     def sampling_metadata(self, step: StepInputs) -> SamplingMetadata:
         rows, ends = step.sample_rows, step.sample_ends

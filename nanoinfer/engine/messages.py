@@ -13,8 +13,9 @@ its step reaches the end of its known tokens. With async scheduling the input of
 token the previous step is still sampling: the message cannot carry it, and the runner takes it
 from that step's output on the device.
 
-`ModelRunnerOutput` comes back: for each sampled request, the tokens it produced (one today; a
-row may carry several once speculative decoding verifies k+1 positions at once).
+`ModelRunnerOutput` comes back: for each sampled request, the tokens it produced (one, or with
+speculative decoding the accepted drafts and one more), and drafts for its next step when the
+runner proposes them (EAGLE, Medusa).
 """
 from dataclasses import dataclass, field
 
@@ -47,6 +48,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[int, int] = field(default_factory=dict)   # seq_id -> tokens; step order
     finished_seq_ids: set[int] = field(default_factory=set)    # finished or aborted since the last step
     preempted_seq_ids: set[int] = field(default_factory=set)   # preempted by this step
+    # seq_id -> the draft tokens scored after its known tokens (speculative decoding)
+    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -55,7 +58,8 @@ class SchedulerOutput:
 
 @dataclass
 class LogprobsLists:
-    """One row per sampled token: the token itself first, then the top N (N = the most any row asked)."""
+    """One row per produced token, in the order of the requests and their tokens: the token itself
+    first, then the top N (N = the most any row asked)."""
     logprob_token_ids: list[list[int]]
     logprobs: list[list[float]]
     sampled_token_ranks: list[int]   # the sampled token's rank in the whole vocabulary (1 = the top)
@@ -66,3 +70,4 @@ class ModelRunnerOutput:
     seq_ids: list[int] = field(default_factory=list)                   # the sampled requests
     sampled_token_ids: list[list[int]] = field(default_factory=list)   # each one's new tokens, in order
     logprobs: LogprobsLists | None = None
+    spec_token_ids: list[list[int]] | None = None   # each one's drafts for the next step

@@ -16,6 +16,8 @@ the largest step (`max_num_batched_tokens` tokens); pure-decode steps then repla
 Nothing here waits for the GPU: the sampled tokens come back through an
 `AsyncModelRunnerOutput`, and the next step's decodes take theirs on the device.
 """
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -29,13 +31,18 @@ from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanoinfer.models import MODEL_REGISTRY
 from nanoinfer.models.loader import init_dummy_weights, load_model
+from nanoinfer.spec_decode.rejection_sampler import accept_drafts
 
 
 class AsyncModelRunnerOutput:
     """A launched step's sampled tokens on their way to the host: `get_output` waits for them."""
 
-    def __init__(self, seq_ids: list[int], sampled: SamplerOutput | None = None):
+    def __init__(self, seq_ids: list[int], sampled: SamplerOutput | None = None,
+                 rows_per_request: list[int] | None = None):
+        """sampled: a row of tokens per request (padded with -1), and logprobs a row per sample row
+        (`rows_per_request` of them per request: its drafts and one; one each by default)."""
         self.seq_ids, self.sampled, self.copied = seq_ids, None, None
+        self.rows_per_request = rows_per_request
         if sampled is not None:   # copies queued behind the step's kernels; the host goes on
             self.sampled = SamplerOutput(*(t if t is None else t.to("cpu", non_blocking=True)
                                            for t in (sampled.sampled_token_ids, sampled.logprob_token_ids,
@@ -49,11 +56,14 @@ class AsyncModelRunnerOutput:
             return ModelRunnerOutput()
         if self.copied is not None:
             self.copied.synchronize()
-        out = ModelRunnerOutput(self.seq_ids, self.sampled.sampled_token_ids.tolist())
-        if self.sampled.logprobs is not None:
+        token_ids = self.sampled.sampled_token_ids.tolist()
+        out = ModelRunnerOutput(self.seq_ids, [[t for t in row if t >= 0] for row in token_ids])
+        if self.sampled.logprobs is not None:   # a request's emitted tokens are its first sample rows
+            starts = itertools.accumulate(self.rows_per_request or [1] * len(self.seq_ids), initial=0)
+            rows = [start + j for start, new in zip(starts, out.sampled_token_ids) for j in range(len(new))]
             s = self.sampled
-            out.logprobs = LogprobsLists(s.logprob_token_ids.tolist(), s.logprobs.tolist(),
-                                         s.sampled_token_ranks.tolist())
+            ids, logprobs, ranks = s.logprob_token_ids.tolist(), s.logprobs.tolist(), s.sampled_token_ranks.tolist()
+            out.logprobs = LogprobsLists([ids[r] for r in rows], [logprobs[r] for r in rows], [ranks[r] for r in rows])
         return out
 
 
@@ -197,10 +207,16 @@ class ModelRunner:
         step, logits = self.pending
         self.pending = None
         if logits is None:   # a tensor-parallel worker: the first rank samples and sends the tokens
-            token_ids = torch.empty(len(step.sample_seq_ids), 1, dtype=torch.int64, device=self.device)
+            width = 1 + (0 if step.draft_token_ids is None else step.draft_token_ids.shape[1])
+            token_ids = torch.empty(len(step.sample_seq_ids), width, dtype=torch.int64, device=self.device)
             self.input_batch.record_sampled(step.sample_seq_ids, self.tp_group.broadcast(token_ids))
             return AsyncModelRunnerOutput([])
         sampled = self.sampler(logits, self.input_batch.sampling_metadata(step))
+        rows_per_request = None
+        if step.num_drafts is not None:   # keep the accepted drafts and the target's next token
+            sampled.sampled_token_ids = accept_drafts(sampled.sampled_token_ids[:, 0], step.draft_token_ids,
+                                                      step.num_drafts)
+            rows_per_request = step.rows_per_request
         self.tp_group.broadcast(sampled.sampled_token_ids)   # the next step's decode inputs, on every rank
         self.input_batch.record_sampled(step.sample_seq_ids, sampled.sampled_token_ids)
-        return AsyncModelRunnerOutput(step.sample_seq_ids, sampled)
+        return AsyncModelRunnerOutput(step.sample_seq_ids, sampled, rows_per_request)

@@ -134,6 +134,8 @@ class OutputProcessor:
                 stopped.append((out.seq_id, stop_string))
             if completion.finish_reason is not None:
                 del self.seqs[out.seq_id]
+            if out.num_draft_tokens:
+                state.metrics.spec_decoding.observe(out.num_draft_tokens, out.num_accepted_tokens)
             if out.new_token_ids:
                 state.metrics.first_token_time = state.metrics.first_token_time or now
                 state.metrics.last_token_time = now

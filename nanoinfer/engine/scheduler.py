@@ -21,6 +21,11 @@ max_tokens or max_model_len is not scheduled again.
 `update_from_output` then appends the sampled tokens and applies the token-level stops (EOS,
 stop_token_ids, max_tokens, max_model_len) to each in order. A token sampled for a sequence that
 stopped (or was aborted) meanwhile is dropped.
+
+Speculative decoding (spec_decode/): a decoding sequence's drafts are scheduled after its known
+tokens, in the same budget, trimmed so that the step cannot run past max_tokens or max_model_len.
+The step counts them as computed; `update_from_output` takes the rejected ones back off
+`num_computed_tokens` (their slots are overwritten later) before it appends the emitted tokens.
 """
 from collections import deque
 from dataclasses import dataclass
@@ -29,6 +34,8 @@ from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
+from nanoinfer.spec_decode.metrics import SpecDecodingStats
+from nanoinfer.spec_decode.ngram_proposer import NgramProposer
 
 
 @dataclass(slots=True)
@@ -40,6 +47,8 @@ class EngineCoreOutput:
     num_cached_tokens: int
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_draft_tokens: int = 0      # drafts this step scored for it
+    num_accepted_tokens: int = 0   # of which the target accepted
 
 
 class Scheduler:
@@ -55,6 +64,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.finished_seq_ids: set[int] = set()   # since the last step, for the runner to forget
         self.num_preemptions = 0
+        spec = config.speculative
+        self.ngram = None if spec is None or spec.method != "ngram" else NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, self.max_model_len)
+        self.spec_stats = SpecDecodingStats()
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.seq_id] = seq
@@ -74,10 +87,14 @@ class Scheduler:
             i += 1
             if self.reaches_length_limit(seq):
                 continue   # its last token is in flight: it finishes when that arrives
-            num_new = min(seq.num_tokens_with_placeholders - seq.num_computed_tokens, budget)
+            drafts = self.drafts_that_fit(seq, budget)
+            num_new = min(seq.num_tokens_with_placeholders + len(drafts) - seq.num_computed_tokens, budget)
             new_blocks = self.allocate_or_preempt(seq, num_new, out)
             if new_blocks is None:
                 break      # it was the newest running sequence, preempted itself
+            if drafts:
+                out.scheduled_spec_decode_tokens[seq.seq_id] = drafts
+            seq.num_scheduled_drafts = len(drafts)
             cached = out.scheduled_cached_reqs
             cached.seq_ids.append(seq.seq_id)
             cached.new_token_ids.append(seq.token_ids[seq.num_tokens_sent:])
@@ -115,6 +132,7 @@ class Scheduler:
             victim = self.running.pop()
             self.block_manager.free(victim)
             victim.status, victim.num_computed_tokens = SequenceStatus.WAITING, 0
+            victim.spec_token_ids = []
             self.waiting.appendleft(victim)
             out.preempted_seq_ids.add(victim.seq_id)
             self.num_preemptions += 1
@@ -127,11 +145,21 @@ class Scheduler:
         out.num_scheduled_tokens[seq.seq_id] = num_new
         seq.num_tokens_sent = seq.num_tokens
         seq.num_computed_tokens += num_new
-        if seq.num_computed_tokens == seq.num_tokens_with_placeholders:   # it samples
+        if seq.num_computed_tokens - seq.num_scheduled_drafts == seq.num_tokens_with_placeholders:   # it samples
             seq.num_output_placeholders += 1
         bs = self.block_manager.block_size
         if seq.num_computed_tokens // bs > (seq.num_computed_tokens - num_new) // bs:   # a block filled up
             self.block_manager.cache_full_blocks(seq)
+
+    def drafts_that_fit(self, seq: Sequence, budget: int) -> list[int]:
+        """The drafts of `seq` that its step can score: within the budget, and such that the
+        accepted drafts and the target's own token stay within max_tokens and max_model_len."""
+        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        if not drafts:
+            return []
+        room = min(budget - (seq.num_tokens - seq.num_computed_tokens),
+                   seq.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+        return drafts[:max(room, 0)]
 
     def reaches_length_limit(self, seq: Sequence) -> bool:
         """Do the tokens in flight already take `seq` to max_tokens or max_model_len?"""
@@ -140,12 +168,17 @@ class Scheduler:
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append each sampled sequence's new tokens, applying the token-level stops to each in order."""
-        outputs, lp = [], runner_output.logprobs
+        outputs, lp, lp_row = [], runner_output.logprobs, 0
         for row, (seq_id, token_ids) in enumerate(zip(runner_output.seq_ids, runner_output.sampled_token_ids)):
+            lp_row += len(token_ids)
             seq = self.requests.get(seq_id)
             if seq is None:
                 continue   # stopped or aborted while this step ran
             seq.num_output_placeholders -= 1
+            num_drafts, seq.num_scheduled_drafts = seq.num_scheduled_drafts, 0
+            if num_drafts:   # the rejected drafts' keys and values do not count
+                seq.num_computed_tokens -= num_drafts - (len(token_ids) - 1)
+                self.spec_stats.observe(num_drafts, len(token_ids) - 1)
             new_token_ids = []
             for token_id in token_ids:
                 seq.append_token(token_id)
@@ -156,9 +189,16 @@ class Scheduler:
                     break
             new_logprobs = None
             if seq.sampling_params.logprobs is not None:
-                new_logprobs = [(lp.logprob_token_ids[row], lp.logprobs[row], lp.sampled_token_ranks[row])]
+                first = lp_row - len(token_ids)
+                new_logprobs = [(lp.logprob_token_ids[r], lp.logprobs[r], lp.sampled_token_ranks[r])
+                                for r in range(first, first + len(new_token_ids))]
+            if not seq.is_finished:   # the next step's drafts
+                if self.ngram is not None:
+                    seq.spec_token_ids = self.ngram.propose(seq)
+                elif runner_output.spec_token_ids is not None:
+                    seq.spec_token_ids = runner_output.spec_token_ids[row]
             outputs.append(EngineCoreOutput(seq_id, new_token_ids, new_logprobs, seq.num_cached_tokens,
-                                            seq.finish_reason, seq.stop_reason))
+                                            seq.finish_reason, seq.stop_reason, num_drafts, len(token_ids) - 1))
         return outputs
 
     def check_stop(self, seq: Sequence, token_id: int) -> bool:

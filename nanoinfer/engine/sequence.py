@@ -51,6 +51,8 @@ class Sequence:
         self.num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission
         self.num_output_placeholders = 0   # tokens being sampled by steps still in flight
         self.num_tokens_sent = 0           # known tokens already sent to the model runner
+        self.spec_token_ids: list[int] = []   # drafts proposed for the next step
+        self.num_scheduled_drafts = 0      # drafts being scored by the step in flight
         self.block_table: list[int] = []
         self.block_size = block_size
         self.block_hashes: list[int] = []

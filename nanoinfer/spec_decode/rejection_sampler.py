@@ -1,0 +1,60 @@
+"""Verifying drafts so that the output is exactly the target model's.
+
+A sequence with drafts x_1..x_k is scored at k+1 positions in one forward: row j gives the
+target distribution p_j of the token at draft position j, and row k+1 the one after the last
+draft. The rule (Leviathan et al., 2023; vLLM's), walking j = 1..k:
+- accept x_j with probability min(1, p_j(x_j) / q_j(x_j)), q_j being the draft's distribution;
+- at the first rejection, emit a token drawn from norm(max(p_j - q_j, 0)) and stop;
+- if all k are accepted, emit a bonus token drawn from p_{k+1}.
+So a step emits 1 to k+1 tokens. Why the emitted token is distributed as p exactly:
+    P(y) = min(p, q)(y) + (1 - sum_z min(p, q)(z)) * (p - min(p, q))(y) / sum_z (p - min(p, q))(z) = p(y),
+because both sums are the same mass (1 - sum min(p, q)); position after position, each conditioned
+on the accepted prefix, this gives the target's joint distribution.
+
+Every proposer here drafts greedily, so q is a point mass on x: accept x with probability p(x),
+and on rejection draw from p without x. The engine does exactly that by sampling every row from
+p as it would without speculation (`Sampler`: the same penalties, temperature and masks, the same
+seed per output index) and accepting while the sample equals the draft: the sample equals x with
+probability p(x), and given that it does not, it is a draw from p without x. The first differing
+sample is the recovered token, the last row's the bonus. Greedy rows are the T = 0 case (accept
+while the argmax agrees), and a seeded request emits the same tokens with or without speculation.
+
+`rejection_sample` is the rule for drafts that come with probabilities, in torch.
+"""
+import torch
+
+
+def accept_drafts(sampled: torch.Tensor, draft_token_ids: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """Point-mass drafts. sampled: int64 [rows], each sequence's k_i + 1 rows back to back;
+    draft_token_ids: int64 [seqs, k] (k = the most drafts, padded with -1); num_drafts: [seqs].
+    Returns int64 [seqs, k + 1]: the emitted tokens, then -1."""
+    num_seqs, k = draft_token_ids.shape
+    start = torch.cumsum(num_drafts + 1, 0) - num_drafts - 1   # each sequence's first row
+    cols = torch.arange(k + 1, device=sampled.device)
+    index = (start.unsqueeze(1) + cols).clamp(max=len(sampled) - 1)
+    tokens = sampled[index]                                       # [seqs, k + 1]
+    agree = (tokens[:, :k] == draft_token_ids) & (cols[:k] < num_drafts.unsqueeze(1))
+    num_accepted = agree.long().cumprod(1).sum(1)
+    return torch.where(cols <= num_accepted.unsqueeze(1), tokens, -1)
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_token_ids: torch.Tensor,
+                     generator: torch.Generator) -> torch.Tensor:
+    """The rule with draft distributions, for one sequence. target_probs: [k + 1, vocab];
+    draft_probs: [k, vocab]; draft_token_ids: [k]. Returns the emitted tokens (1 to k + 1)."""
+    k = len(draft_token_ids)
+    device = target_probs.device
+    uniform = torch.rand(k, dtype=torch.float64, generator=generator, device=device)
+    race = torch.empty(target_probs.shape[1], device=device).exponential_(generator=generator)
+    out = []
+    for j in range(k):
+        x = int(draft_token_ids[j])
+        p, q = target_probs[j], draft_probs[j]
+        if q[x] > 0 and uniform[j] * q[x] <= p[x]:   # u < p(x) / q(x), without dividing
+            out.append(x)
+            continue
+        residual = (p - q).clamp(min=0)
+        out.append(int((residual / race).argmax()))   # the exponential race draws from norm(residual)
+        return out
+    out.append(int((target_probs[k] / race).argmax()))
+    return out
