@@ -148,7 +148,7 @@ class SpeculativeConfig:
                 spec.prompt_lookup_max = 5 if spec.prompt_lookup_min is None else spec.prompt_lookup_min
             if spec.prompt_lookup_min is None:
                 spec.prompt_lookup_min = spec.prompt_lookup_max
-            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            for key in ("prompt_lookup_max", "prompt_lookup_min"):
                 value = getattr(spec, key)
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise ValueError(f"{key} must be an integer >= 1, got {value!r}")

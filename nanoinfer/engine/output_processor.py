@@ -10,6 +10,7 @@ it finishes (FINAL_ONLY).
 A request with n > 1 samples is one `RequestState` with n completions, each run by the engine as a
 sequence of its own; it finishes when all of them have.
 """
+import dataclasses
 import time
 
 from transformers import PreTrainedTokenizerBase
@@ -39,6 +40,17 @@ class CompletionState:
 
     def update(self, out: EngineCoreOutput) -> str | None:
         """Take one step's tokens; returns a stop string that now ends the sample, if any."""
+        if len(out.new_token_ids) > 1 and self.params.stop and self.detokenizer is not None:
+            # a speculative run: stop strings end it after the token that completes them, as if
+            # the tokens had come one step each
+            for i, token_id in enumerate(out.new_token_ids):
+                last = i == len(out.new_token_ids) - 1
+                stop_string = self.update(dataclasses.replace(
+                    out, new_token_ids=[token_id], new_logprobs=out.new_logprobs and out.new_logprobs[i:i + 1],
+                    finish_reason=out.finish_reason if last else None, stop_reason=out.stop_reason if last else None))
+                if stop_string is not None:
+                    return stop_string
+            return None
         self.token_ids += out.new_token_ids
         self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         for token_ids, logprobs, rank in out.new_logprobs or ():
