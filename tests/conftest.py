@@ -135,3 +135,23 @@ def hf_logits(model_dir: str, token_ids: list[int]) -> torch.Tensor:
 def random_prompts(lengths: list[int], seed: int = 0, prefix: list[int] = ()) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [list(prefix) + torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in lengths]
+
+
+def write_medusa_head(path: str, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
+                      bias: bool = True, seed: int = 0) -> str:
+    """A Medusa head folder with random weights (spec_decode/medusa.py documents the format)."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(num_heads):
+        for j in range(num_layers):
+            tensors[f"blocks.{i}.layers.{j}.weight"] = torch.randn(hidden_size, hidden_size, generator=g) * 0.1
+            if bias:
+                tensors[f"blocks.{i}.layers.{j}.bias"] = torch.randn(hidden_size, generator=g) * 0.1
+        tensors[f"lm_heads.{i}.weight"] = torch.randn(vocab_size, hidden_size, generator=g)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["MedusaModel"], "hidden_size": hidden_size, "vocab_size": vocab_size,
+                   "medusa_num_heads": num_heads, "medusa_num_layers": num_layers, "medusa_fc_bias": bias}, f)
+    return path

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import VOCAB_SIZE, random_prompts
+from conftest import VOCAB_SIZE, random_prompts, write_medusa_head
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import SpeculativeConfig
 from nanoinfer.engine.sequence import Sequence
@@ -73,6 +73,29 @@ def test_greedy_output_unchanged(llama_dir):
     assert stats.num_draft_tokens == sum(o.metrics.spec_decoding.num_draft_tokens for o in got)
     bm = llm.llm_engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks   # nothing left allocated
+
+
+@pytest.mark.parametrize("num_layers, bias", [(1, True), (2, False)])
+def test_medusa_greedy_output_unchanged(llama_dir, tmp_path, num_layers, bias):
+    """Random-weight heads: the mechanism is under test, not the heads' guesses."""
+    medusa = {"method": "medusa", "num_speculative_tokens": 3,
+              "model": write_medusa_head(str(tmp_path / "medusa"), 64, VOCAB_SIZE, 4, num_layers, bias)}
+    prompts = random_prompts([5, 40, 3, 90], seed=6, prefix=random_prompts([20], seed=4)[0])
+    settings = dict(max_num_batched_tokens=48, max_num_seqs=4, num_kvcache_blocks=20)
+    _, want = run(llama_dir, prompts, GREEDY, **settings)
+    llm, got = run(llama_dir, prompts, GREEDY, medusa, **settings)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_steps > 0
+
+
+def test_bad_medusa_heads(llama_dir, tmp_path):
+    path = write_medusa_head(str(tmp_path / "m"), 64, VOCAB_SIZE, 2)
+    with pytest.raises(ValueError, match="needs 3 Medusa heads"):
+        LLM(llama_dir, speculative_config={"method": "medusa", "num_speculative_tokens": 3, "model": path})
+    path = write_medusa_head(str(tmp_path / "w"), 32, VOCAB_SIZE, 3)
+    with pytest.raises(ValueError, match="hidden_size=32"):
+        LLM(llama_dir, speculative_config={"method": "medusa", "num_speculative_tokens": 3, "model": path})
 
 
 class OracleProposer:

@@ -31,6 +31,7 @@ from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanoinfer.models import MODEL_REGISTRY
 from nanoinfer.models.loader import init_dummy_weights, load_model
+from nanoinfer.spec_decode.medusa import Medusa
 from nanoinfer.spec_decode.rejection_sampler import accept_drafts
 
 
@@ -38,11 +39,12 @@ class AsyncModelRunnerOutput:
     """A launched step's sampled tokens on their way to the host: `get_output` waits for them."""
 
     def __init__(self, seq_ids: list[int], sampled: SamplerOutput | None = None,
-                 rows_per_request: list[int] | None = None):
+                 rows_per_request: list[int] | None = None, drafts: torch.Tensor | None = None):
         """sampled: a row of tokens per request (padded with -1), and logprobs a row per sample row
         (`rows_per_request` of them per request: its drafts and one; one each by default)."""
         self.seq_ids, self.sampled, self.copied = seq_ids, None, None
         self.rows_per_request = rows_per_request
+        self.drafts = None if drafts is None else drafts.to("cpu", non_blocking=True)
         if sampled is not None:   # copies queued behind the step's kernels; the host goes on
             self.sampled = SamplerOutput(*(t if t is None else t.to("cpu", non_blocking=True)
                                            for t in (sampled.sampled_token_ids, sampled.logprob_token_ids,
@@ -58,6 +60,8 @@ class AsyncModelRunnerOutput:
             self.copied.synchronize()
         token_ids = self.sampled.sampled_token_ids.tolist()
         out = ModelRunnerOutput(self.seq_ids, [[t for t in row if t >= 0] for row in token_ids])
+        if self.drafts is not None:
+            out.spec_token_ids = self.drafts.tolist()
         if self.sampled.logprobs is not None:   # a request's emitted tokens are its first sample rows
             starts = itertools.accumulate(self.rows_per_request or [1] * len(self.seq_ids), initial=0)
             rows = [start + j for start, new in zip(starts, out.sampled_token_ids) for j in range(len(new))]
@@ -96,6 +100,11 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.sampler = Sampler()
+        self.drafter = None   # Medusa heads, on the rank that samples (they read its hidden states)
+        spec = config.speculative
+        if spec is not None and spec.method == "medusa" and self.tp_group.rank_in_group == 0:
+            self.drafter = Medusa(spec.model, spec.num_speculative_tokens, hf_config.hidden_size,
+                                  hf_config.vocab_size).to(self.device, self.dtype)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, self.block_size,
                                       hf_config.vocab_size, config.eos_token_ids, self.device, config.seed)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -103,7 +112,7 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.backend = backend
         self.allocate_kv_cache()
-        self.pending: tuple[StepInputs, torch.Tensor] | None = None   # executed, not yet sampled
+        self.pending: tuple[StepInputs, torch.Tensor, torch.Tensor] | None = None   # executed, not sampled
         self.graph_runner = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CUDAGraphRunner(
@@ -197,14 +206,15 @@ class ModelRunner:
             with set_forward_context(meta):
                 hidden_states = self.model(step.input_ids, step.positions)
         if step.sample_seq_ids:
-            self.pending = step, self.model.compute_logits(hidden_states[step.logits_indices])
+            hidden_states = hidden_states[step.logits_indices]
+            self.pending = step, self.model.compute_logits(hidden_states), hidden_states
 
     @torch.inference_mode()
     def sample_tokens(self) -> AsyncModelRunnerOutput:
         """Process the executed step's logits and sample (still without waiting for the GPU)."""
         if self.pending is None:
             return AsyncModelRunnerOutput([])
-        step, logits = self.pending
+        step, logits, hidden_states = self.pending
         self.pending = None
         if logits is None:   # a tensor-parallel worker: the first rank samples and sends the tokens
             width = 1 + (0 if step.draft_token_ids is None else step.draft_token_ids.shape[1])
@@ -219,4 +229,10 @@ class ModelRunner:
             rows_per_request = step.rows_per_request
         self.tp_group.broadcast(sampled.sampled_token_ids)   # the next step's decode inputs, on every rank
         self.input_batch.record_sampled(step.sample_seq_ids, sampled.sampled_token_ids)
-        return AsyncModelRunnerOutput(step.sample_seq_ids, sampled, rows_per_request)
+        drafts = None
+        if self.drafter is not None:   # from the hidden state that gave each request's last token
+            num_emitted = (sampled.sampled_token_ids >= 0).sum(1)
+            first_row = torch.cumsum(step.num_drafts + 1, 0) - step.num_drafts - 1 if step.num_drafts is not None \
+                else torch.arange(len(num_emitted), device=self.device)
+            drafts = self.drafter.propose(hidden_states[first_row + num_emitted - 1])
+        return AsyncModelRunnerOutput(step.sample_seq_ids, sampled, rows_per_request, drafts)
