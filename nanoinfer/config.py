@@ -99,7 +99,8 @@ class Config:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         num_kv_heads = max(1, num_kv_heads // self.tensor_parallel_size)   # (replicated beyond one a rank)
-        return 2 * hf.num_hidden_layers * num_kv_heads * head_dim * self.torch_dtype.itemsize
+        num_layers = hf.num_hidden_layers + (self.speculative is not None and self.speculative.method == "eagle")
+        return 2 * num_layers * num_kv_heads * head_dim * self.torch_dtype.itemsize
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -155,3 +155,34 @@ def write_medusa_head(path: str, hidden_size: int, vocab_size: int, num_heads: i
         json.dump({"architectures": ["MedusaModel"], "hidden_size": hidden_size, "vocab_size": vocab_size,
                    "medusa_num_heads": num_heads, "medusa_num_layers": num_layers, "medusa_fc_bias": bias}, f)
     return path
+
+
+def write_eagle_head(path: str, target_dir: str, fc_bias: bool = False, seed: int = 0) -> str:
+    """An EAGLE head folder with random weights for the model in `target_dir` (spec_decode/eagle.py
+    documents the format): a one-layer Llama config like the target's, and its tensors."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(target_dir)
+    config.num_hidden_layers, config.bias = 1, fc_bias
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:1]
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"fc.weight": (hidden, 2 * hidden), "layers.0.self_attn.q_proj.weight": (q, hidden),
+              "layers.0.self_attn.k_proj.weight": (kv, hidden), "layers.0.self_attn.v_proj.weight": (kv, hidden),
+              "layers.0.self_attn.o_proj.weight": (hidden, q), "layers.0.mlp.gate_proj.weight": (inter, hidden),
+              "layers.0.mlp.up_proj.weight": (inter, hidden), "layers.0.mlp.down_proj.weight": (hidden, inter)}
+    tensors = {name: torch.randn(shape, generator=g) * 0.2 for name, shape in shapes.items()}
+    tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(hidden)
+    if config.model_type == "qwen3":   # per-head q/k norms
+        for name in ("q_norm", "k_norm"):
+            tensors[f"layers.0.self_attn.{name}.weight"] = torch.ones(head_dim)
+    tensors["embed_tokens.weight"] = torch.zeros(config.vocab_size, hidden)   # ignored: the target's is used
+    if fc_bias:
+        tensors["fc.bias"] = torch.randn(hidden, generator=g) * 0.1
+    os.makedirs(path, exist_ok=True)
+    config.save_pretrained(path)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return path

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import VOCAB_SIZE, random_prompts, write_medusa_head
+from conftest import VOCAB_SIZE, random_prompts, write_eagle_head, write_medusa_head
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import SpeculativeConfig
 from nanoinfer.engine.sequence import Sequence
@@ -87,6 +87,23 @@ def test_medusa_greedy_output_unchanged(llama_dir, tmp_path, num_layers, bias):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     stats = llm.llm_engine.scheduler.spec_stats
     assert stats.num_draft_tokens > 0 and stats.num_steps > 0
+
+
+@pytest.mark.parametrize("family, fc_bias", [("llama", False), ("qwen3", True)])
+def test_eagle_greedy_output_unchanged(model_dirs, tmp_path, family, fc_bias):
+    """A random-weight head: its keys and values in the paged cache, k autoregressive passes,
+    the lookahead slots, with prefix caching, chunked prompts and preemption."""
+    eagle = {"method": "eagle", "num_speculative_tokens": 3,
+             "model": write_eagle_head(str(tmp_path / "eagle"), model_dirs[family], fc_bias)}
+    prompts = random_prompts([5, 40, 3, 90], seed=6, prefix=random_prompts([20], seed=4)[0])
+    settings = dict(max_num_batched_tokens=48, max_num_seqs=4, num_kvcache_blocks=16)
+    _, want = run(model_dirs[family], prompts, GREEDY, **settings)
+    llm, got = run(model_dirs[family], prompts, GREEDY, eagle, **settings)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > 0 and llm.llm_engine.scheduler.num_preemptions > 0
+    bm = llm.llm_engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_bad_medusa_heads(llama_dir, tmp_path):
@@ -206,6 +223,27 @@ def test_ngram_accepts_several_tokens_on_a_repeating_prompt(bigram_dir):
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     stats = got.metrics.spec_decoding
     assert stats.mean_acceptance_length > 2 and 0.5 < stats.acceptance_rate <= 1, stats
+
+
+def test_eagle_drafts_follow_the_emitted_tokens(bigram_dir, tmp_path):
+    """On the bigram model, an EAGLE head that passes its token's embedding straight through (fc
+    takes the embedding half; attention and MLP outputs zero) predicts the token after it, as the
+    target does: every draft is right if the passes feed each position the right token."""
+    from safetensors.torch import load_file, save_file
+    path = write_eagle_head(str(tmp_path / "eagle"), bigram_dir)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    hidden = tensors["fc.weight"].shape[0]
+    tensors["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    tensors["layers.0.self_attn.o_proj.weight"].zero_()
+    tensors["layers.0.mlp.down_proj.weight"].zero_()
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    eagle = {"method": "eagle", "num_speculative_tokens": 3, "model": path}
+    prompts = random_prompts([7, 30, 12], seed=2)
+    _, want = run(bigram_dir, prompts, GREEDY)
+    llm, got = run(bigram_dir, prompts, GREEDY, eagle, max_num_batched_tokens=16)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0, stats
 
 
 def test_accept_drafts():

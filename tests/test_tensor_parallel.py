@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import VOCAB_SIZE, hf_greedy, random_prompts, save_model, write_medusa_head
+from conftest import VOCAB_SIZE, hf_greedy, random_prompts, save_model, write_eagle_head, write_medusa_head
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.engine.llm_engine import EngineDeadError
@@ -206,14 +206,16 @@ def test_message_queue_carries_messages_longer_than_its_ring():
 
 
 def test_speculative_decoding_under_tensor_parallelism(llama_dir, tmp_path):
-    """Drafts scored on both ranks, verified on the first (Medusa's heads there too): the same
-    tokens as one rank without speculation, greedy and seeded."""
+    """Drafts scored on both ranks, verified on the first (Medusa's heads there too, EAGLE's layer
+    split over both): the same tokens as one rank without speculation, greedy and seeded."""
     medusa = write_medusa_head(str(tmp_path / "medusa"), 64, VOCAB_SIZE, 3)
     prompts = [[9, 8, 7, 6] * 6] + random_prompts([17, 40], seed=12)
     params = [GREEDY, SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True), GREEDY]
     want = [o.outputs[0].token_ids for o in LLM(llama_dir, max_model_len=128).generate(prompts, params, use_tqdm=False)]
+    eagle = write_eagle_head(str(tmp_path / "eagle"), llama_dir)
     for spec in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-                 {"method": "medusa", "num_speculative_tokens": 3, "model": medusa}):
+                 {"method": "medusa", "num_speculative_tokens": 3, "model": medusa},
+                 {"method": "eagle", "num_speculative_tokens": 2, "model": eagle}):
         llm = LLM(llama_dir, tensor_parallel_size=2, max_model_len=128, speculative_config=spec)
         try:
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

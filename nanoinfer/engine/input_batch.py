@@ -63,13 +63,19 @@ class StepInputs:
     draft_token_ids: torch.Tensor | None = None   # int64 [sampling requests, k], padded with -1
     num_drafts: torch.Tensor | None = None        # int64 [sampling requests]
     rows_per_request: list[int] | None = None     # its drafts and one, per sampling request
+    # for EAGLE (lookahead > 0): per scheduled request its last position (flat index) and the
+    # known token after it (0 if none), and the sampling requests' block tables with lookahead
+    last_rows: torch.Tensor | None = None
+    next_token_ids: torch.Tensor | None = None
+    sample_block_tables: torch.Tensor | None = None
 
 
 class InputBatch:
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
-                 eos_token_ids: list[int], device: torch.device, seed: int):
+                 eos_token_ids: list[int], device: torch.device, seed: int, lookahead: int = 0):
         self.block_size, self.vocab_size, self.eos_token_ids = block_size, vocab_size, eos_token_ids
+        self.lookahead = lookahead   # positions past a step that EAGLE's drafts write
         self.device = device
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)   # pages are touched as used
         self.num_tokens = np.zeros(max_num_reqs, np.int64)
@@ -169,6 +175,12 @@ class InputBatch:
             padded = np.array([d + [-1] * (width - len(d)) for d in drafts], np.int64).reshape(-1, width)
             step.draft_token_ids, step.num_drafts = self.to_device(np.int64, padded, per_row - 1)
             step.rows_per_request = per_row.tolist()
+        if self.lookahead:
+            known = end < self.num_tokens[rows]
+            next_ids = np.where(known, self.token_ids[rows, np.minimum(end, self.token_ids.shape[1] - 1)], 0)
+            step.last_rows, step.next_token_ids = self.to_device(np.int64, cu_seqlens_q[1:] - 1, next_ids)
+            width = min(-(-(int(end.max()) + self.lookahead) // bs), self.block_table.shape[1])
+            (step.sample_block_tables,) = self.to_device(np.int32, self.block_table[rows[sample], :width])
         return step
 
     def sampling_metadata(self, step: StepInputs) -> SamplingMetadata:

@@ -31,6 +31,7 @@ from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanoinfer.models import MODEL_REGISTRY
 from nanoinfer.models.loader import init_dummy_weights, load_model
+from nanoinfer.spec_decode.eagle import EagleProposer
 from nanoinfer.spec_decode.medusa import Medusa
 from nanoinfer.spec_decode.rejection_sampler import accept_drafts
 
@@ -90,9 +91,14 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
+        spec = config.speculative
+        self.drafter = None   # EAGLE (every rank), or Medusa heads (on the rank that samples)
         try:
             with torch.device(self.device):
                 self.model = MODEL_REGISTRY[arch](hf_config, config.max_model_len)
+                if spec is not None and spec.method == "eagle":
+                    self.drafter = EagleProposer(spec.model, spec.num_speculative_tokens, self.model, hf_config,
+                                                 config.max_model_len, self.block_size)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
@@ -100,14 +106,14 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.sampler = Sampler()
-        self.drafter = None   # Medusa heads, on the rank that samples (they read its hidden states)
-        spec = config.speculative
         if spec is not None and spec.method == "medusa" and self.tp_group.rank_in_group == 0:
             self.drafter = Medusa(spec.model, spec.num_speculative_tokens, hf_config.hidden_size,
                                   hf_config.vocab_size).to(self.device, self.dtype)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, self.block_size,
-                                      hf_config.vocab_size, config.eos_token_ids, self.device, config.seed)
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+                                      hf_config.vocab_size, config.eos_token_ids, self.device, config.seed,
+                                      spec.num_speculative_tokens if isinstance(self.drafter, EagleProposer) else 0)
+        drafter_modules = self.drafter.model.modules() if isinstance(self.drafter, EagleProposer) else ()
+        self.attn_layers = [m for m in (*self.model.modules(), *drafter_modules) if isinstance(m, Attention)]
         backend = get_attn_backend(config.attention_backend)
         for layer in self.attn_layers:
             layer.backend = backend
@@ -206,8 +212,10 @@ class ModelRunner:
             with set_forward_context(meta):
                 hidden_states = self.model(step.input_ids, step.positions)
         if step.sample_seq_ids:
-            hidden_states = hidden_states[step.logits_indices]
-            self.pending = step, self.model.compute_logits(hidden_states), hidden_states
+            self.pending = step, self.model.compute_logits(hidden_states[step.logits_indices]), hidden_states
+        elif isinstance(self.drafter, EagleProposer):   # a prompt chunk: its keys and values for EAGLE too
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            self.drafter.propose(step, hidden_states, empty, empty, self.tp_group)
 
     @torch.inference_mode()
     def sample_tokens(self) -> AsyncModelRunnerOutput:
@@ -220,6 +228,7 @@ class ModelRunner:
             width = 1 + (0 if step.draft_token_ids is None else step.draft_token_ids.shape[1])
             token_ids = torch.empty(len(step.sample_seq_ids), width, dtype=torch.int64, device=self.device)
             self.input_batch.record_sampled(step.sample_seq_ids, self.tp_group.broadcast(token_ids))
+            self.propose_drafts(step, hidden_states, token_ids)   # (EAGLE's layers are split over the ranks)
             return AsyncModelRunnerOutput([])
         sampled = self.sampler(logits, self.input_batch.sampling_metadata(step))
         rows_per_request = None
@@ -229,10 +238,20 @@ class ModelRunner:
             rows_per_request = step.rows_per_request
         self.tp_group.broadcast(sampled.sampled_token_ids)   # the next step's decode inputs, on every rank
         self.input_batch.record_sampled(step.sample_seq_ids, sampled.sampled_token_ids)
-        drafts = None
-        if self.drafter is not None:   # from the hidden state that gave each request's last token
-            num_emitted = (sampled.sampled_token_ids >= 0).sum(1)
-            first_row = torch.cumsum(step.num_drafts + 1, 0) - step.num_drafts - 1 if step.num_drafts is not None \
-                else torch.arange(len(num_emitted), device=self.device)
-            drafts = self.drafter.propose(hidden_states[first_row + num_emitted - 1])
+        drafts = self.propose_drafts(step, hidden_states, sampled.sampled_token_ids)
         return AsyncModelRunnerOutput(step.sample_seq_ids, sampled, rows_per_request, drafts)
+
+    def propose_drafts(self, step: StepInputs, hidden_states: torch.Tensor, token_ids: torch.Tensor
+                       ) -> torch.Tensor | None:
+        """The next step's drafts (EAGLE, Medusa), from the position of each request's last
+        emitted token. token_ids: the step's emitted tokens, [requests, k + 1], padded with -1."""
+        if self.drafter is None:
+            return None
+        num_emitted = (token_ids >= 0).sum(1)
+        first_row = torch.arange(len(token_ids), device=self.device) if step.num_drafts is None else \
+            torch.cumsum(step.num_drafts + 1, 0) - step.num_drafts - 1
+        last_rows = step.logits_indices[first_row + num_emitted - 1]
+        if isinstance(self.drafter, Medusa):
+            return self.drafter.propose(hidden_states[last_rows])
+        emitted = token_ids.gather(1, (num_emitted - 1).unsqueeze(1)).squeeze(1)
+        return self.drafter.propose(step, hidden_states, last_rows, emitted, self.tp_group)

@@ -68,6 +68,8 @@ class Scheduler:
         self.ngram = None if spec is None or spec.method != "ngram" else NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, self.max_model_len)
         self.spec_stats = SpecDecodingStats()
+        # EAGLE's drafts write k positions past a step: their slots are allocated with it
+        self.lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "eagle" else 0
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.seq_id] = seq
@@ -89,7 +91,7 @@ class Scheduler:
                 continue   # its last token is in flight: it finishes when that arrives
             drafts = self.drafts_that_fit(seq, budget)
             num_new = min(seq.num_tokens_with_placeholders + len(drafts) - seq.num_computed_tokens, budget)
-            new_blocks = self.allocate_or_preempt(seq, num_new, out)
+            new_blocks = self.allocate_or_preempt(seq, num_new + self.lookahead_of(seq, num_new), out)
             if new_blocks is None:
                 break      # it was the newest running sequence, preempted itself
             if drafts:
@@ -109,7 +111,8 @@ class Scheduler:
             computed = self.block_manager.get_computed_blocks(seq)
             num_cached = len(computed) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
-            if self.block_manager.allocate_slots(seq, num_new, computed) is None:
+            lookahead = self.lookahead_of(seq, num_cached + num_new - seq.num_computed_tokens)
+            if self.block_manager.allocate_slots(seq, num_new + lookahead, computed) is None:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -160,6 +163,9 @@ class Scheduler:
         room = min(budget - (seq.num_tokens - seq.num_computed_tokens),
                    seq.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
         return drafts[:max(room, 0)]
+
+    def lookahead_of(self, seq: Sequence, num_new: int) -> int:
+        return max(min(self.lookahead, self.max_model_len - seq.num_computed_tokens - num_new), 0)
 
     def reaches_length_limit(self, seq: Sequence) -> bool:
         """Do the tokens in flight already take `seq` to max_tokens or max_model_len?"""

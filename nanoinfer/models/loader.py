@@ -33,8 +33,9 @@ def load_model(model: nn.Module, path: str) -> None:
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue   # a buffer some old checkpoints store; recomputed from the config
-                if name == "lm_head.weight" and model.tie_word_embeddings:
-                    continue   # tied: the LM head is the embedding
+                if name == "lm_head.weight" and model.tie_word_embeddings or name in getattr(
+                        model, "skipped_weights", ()):
+                    continue   # tied: the LM head is the embedding; or the model uses another's
                 target, shard_id = name, None
                 for ckpt_name, (packed_name, packed_shard) in model.packed_modules_mapping.items():
                     if f".{ckpt_name}." in name:

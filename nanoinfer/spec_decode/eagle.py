@@ -1,0 +1,110 @@
+"""EAGLE drafts: one small decoder layer that runs ahead on the target's hidden states.
+
+The target's hidden state at position t already knows a lot about the tokens after t + 1. EAGLE
+feeds a draft layer with [embedding of token t + 1 ; target hidden state at t], through `fc`
+(2H -> H), one Llama decoder layer (without its input norm), and the target's own LM head: out
+comes the token at t + 2. Its own output stands in for the hidden state of the next position, so
+it can run k steps autoregressively. Its attention reads and writes a KV cache of its own: one
+more layer of the engine's paged cache, in the same blocks as the target's.
+
+After every step (the runner, `propose`):
+1. one pass over all the step's positions, each fed the token after it (shifted by one; at a
+   request's last verified position, the token the step emitted) and the target's hidden state
+   there. This writes the draft layer's keys and values for every new position, also of prompt
+   chunks, over those the draft's own guesses wrote before. Its output at the last verified
+   position gives the first draft;
+2. k - 1 more passes of one token per request, each at the next position, from the previous draft
+   and the layer's own output. The scheduler gives every request k slots beyond its step for them.
+
+Head folder (the format of the EAGLE-1 checkpoints and vLLM's): a Llama config.json for the
+layer (hidden size and heads as the target's) and safetensors with `fc.weight` [H, 2H] (and
+`fc.bias` with config `"bias": true`), `layers.0.self_attn.{q,k,v,o}_proj.weight`,
+`layers.0.mlp.{gate,up,down}_proj.weight` and `layers.0.post_attention_layernorm.weight`. An
+`embed_tokens.weight` there is ignored: the target's embedding is used.
+"""
+import torch
+from torch import nn
+from transformers import AutoConfig
+
+from nanoinfer.attention import AttentionMetadata, set_forward_context
+from nanoinfer.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from nanoinfer.models.loader import load_model
+
+
+class EagleModel(nn.Module):
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+    tie_word_embeddings = False
+    skipped_weights = ("embed_tokens.weight",)
+
+    def __init__(self, config, max_position: int):
+        super().__init__()
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=getattr(config, "bias", False))
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, max_position)])
+        del self.layers[0].input_layernorm   # its input is fc's output, not normalised
+
+    def forward(self, embeds: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.fc(torch.cat([embeds, hidden_states], dim=-1))
+        layer = self.layers[0]
+        h, residual = layer.post_attention_layernorm(layer.self_attn(positions, x), x)
+        return layer.mlp(h) + residual
+
+
+class EagleProposer:
+
+    def __init__(self, path: str, k: int, target: nn.Module, target_config, max_model_len: int, block_size: int):
+        config = AutoConfig.from_pretrained(path)
+        shape = lambda c: (c.hidden_size, c.num_key_value_heads, head_dim(c))  # noqa: E731
+        if shape(config) != shape(target_config):
+            raise ValueError(f"the EAGLE head in {path!r} has (hidden_size, num_key_value_heads, head_dim) = "
+                             f"{shape(config)}, the model {shape(target_config)}: they must be equal")
+        self.k, self.target, self.max_model_len, self.block_size = k, target, max_model_len, block_size
+        self.model = EagleModel(config, max_model_len + k)
+        load_model(self.model, path)
+
+    def propose(self, step, hidden_states: torch.Tensor, last_rows: torch.Tensor, emitted: torch.Tensor,
+                tp_group) -> torch.Tensor:
+        """step: the StepInputs just run; hidden_states: the target's, every position [tokens, H];
+        last_rows: each sampling request's last verified position (flat index); emitted: its last
+        emitted token. Returns the drafts [requests, k] (on every rank)."""
+        meta: AttentionMetadata = step.attn_metadata
+        input_ids = torch.cat([step.input_ids[1:], step.input_ids[-1:]])   # each position's next token
+        input_ids[step.last_rows] = step.next_token_ids   # a chunk's next prompt token
+        input_ids[last_rows] = emitted
+        positions = step.positions
+        if not len(last_rows):   # nobody samples: the pass only writes the new positions' keys and values
+            with set_forward_context(meta):
+                self.model(self.target.model.embed_tokens(input_ids), hidden_states, positions)
+            return None
+        drafts = []
+        for j in range(self.k):
+            with set_forward_context(meta):
+                out = self.model(self.target.model.embed_tokens(input_ids), hidden_states, positions)
+            logits = self.target.compute_logits(out[last_rows] if j == 0 else out)   # the first rank's only
+            draft = torch.empty(len(last_rows), dtype=torch.int64, device=out.device)
+            if logits is not None:
+                draft = logits.argmax(-1)
+            drafts.append(tp_group.broadcast(draft))
+            if j == 0:   # the next passes: one position per request
+                hidden_states, positions = out[last_rows], step.positions[last_rows]
+                block_tables = step.sample_block_tables
+            else:
+                hidden_states = out
+            input_ids, positions = drafts[-1], positions + 1
+            meta = self.decode_metadata(positions, block_tables)
+        return torch.stack(drafts, dim=1)
+
+    def decode_metadata(self, positions: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
+        """One query per request at `positions`; past max_model_len nothing is written or read."""
+        inside = positions < self.max_model_len
+        positions = positions.clamp(max=self.max_model_len - 1)
+        col = (positions // self.block_size).unsqueeze(1)
+        slots = block_tables.gather(1, col).squeeze(1).long() * self.block_size + positions % self.block_size
+        n = len(positions)
+        return AttentionMetadata(cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=positions.device),
+                                 context_lens=(positions + 1).to(torch.int32),
+                                 slot_mapping=torch.where(inside, slots, -1), block_tables=block_tables,
+                                 max_seqlen_q=1)
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
