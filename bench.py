@@ -19,6 +19,11 @@ Other modes: `--mode latency` (batch 1 and 8, fixed lengths: time to first token
 output token, end-to-end; medians of several runs) and `--mode kernels` (the attention kernels
 alone: decode bandwidth, prefill TFLOP/s, next to torch's scaled_dot_product_attention).
 
+Speculative decoding: `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`
+(vLLM's keys), and `--workload copy` for prompts that ask a real model (`--model`) to rewrite a
+passage, where n-gram drafts have something to find. It then prints the drafts proposed and
+accepted, and the n-gram lookup's host time per step.
+
 On a machine without CUDA it scales itself down (a few short prompts) so it ends in about a
 minute, and says so; the roofline is only printed on a GPU.
 """
@@ -59,6 +64,38 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int):
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(min_out, max_output_len))
               for _ in range(num_seqs)]
     return prompts, params
+
+
+PASSAGE = [
+    "A paged KV cache stores the keys and values of every sequence in fixed-size blocks.",
+    "The scheduler admits new requests while the token budget and the free blocks last.",
+    "When memory runs out, the newest running sequence is preempted and recomputed later.",
+    "Prefix caching lets requests that share a system prompt reuse the same blocks.",
+    "CUDA graphs remove the launch overhead of the many small kernels in a decode step.",
+    "Speculative decoding proposes several tokens and verifies them in a single forward pass.",
+    "Tensor parallelism splits every layer across GPUs and joins the halves with an all-reduce.",
+    "A rejection sampler keeps the output distribution exactly that of the target model.",
+]
+
+
+def copy_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
+    """Requests to rewrite a passage (its sentences shuffled per request) word for word."""
+    rng, prompts = random.Random(seed), []
+    for _ in range(n):
+        text = " ".join(rng.sample(PASSAGE, len(PASSAGE)))
+        messages = [{"role": "user", "content": f"Rewrite this text exactly, word for word:\n\n{text}"}]
+        chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer.encode(chat, add_special_tokens=False))
+    return prompts
+
+
+def print_spec_stats(engine) -> None:
+    stats = engine.scheduler.spec_stats
+    if engine.config.speculative is not None:
+        print(f"speculative ({engine.config.speculative.method}, k={engine.config.speculative.num_speculative_tokens}): "
+              f"{stats.num_draft_tokens:,} drafts in {stats.num_steps:,} verifications, {stats.num_accepted_tokens:,} "
+              f"accepted: acceptance rate {stats.acceptance_rate:.1%}, {stats.mean_acceptance_length:.2f} tokens "
+              "per verification step")
 
 
 def model_sizes(cfg) -> tuple[int, int, int, int]:
@@ -119,6 +156,8 @@ class StepTimer:
         self.wrap(FutureOutput, "get_output", "wait for tokens")
         self.wrap(engine.scheduler, "update_from_output", "update")
         self.wrap(engine.output_processor, "process_outputs", "outputs")
+        if engine.scheduler.ngram is not None:
+            self.wrap(engine.scheduler.ngram, "propose", "n-gram lookup")
         execute_model, sample_tokens = executor.execute_model, executor.sample_tokens
 
         def execute(sched):   # the GPU's share of a step: from its first launch to its last
@@ -163,7 +202,8 @@ class StepTimer:
         return "\n".join(lines)
 
 
-def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, runs: int = 5) -> None:
+def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, runs: int = 5,
+            copy: bool = False) -> None:
     """Streamed (DELTA) outputs: TTFT is when the first token reaches the caller, TPOT the time per
     token after it. The TPOT bound: every weight and the batch's K/V read once per token."""
     engine = llm.llm_engine
@@ -174,8 +214,10 @@ def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, 
         ttft, tpot, e2e = [], [], []
         for run in range(runs + 1):
             rng = random.Random(run)   # new prompts each run: no prefix-cache hits
-            for i in range(batch):
-                engine.add_request(f"{batch}-{run}-{i}", [rng.randint(0, 10000) for _ in range(input_len)], params)
+            prompts = copy_prompts(engine.tokenizer, batch, run) if copy else [
+                [rng.randint(0, 10000) for _ in range(input_len)] for _ in range(batch)]
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{batch}-{run}-{i}", prompt, params)
             start, first = time.perf_counter(), None
             while engine.has_unfinished_requests():
                 if engine.step() and first is None:
@@ -189,9 +231,10 @@ def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, 
         if bandwidth:
             step_bytes = (matmul_params + batch * (input_len + output_len // 2) * kv_per_token) * dtype_bytes
             bound = f" (bound {1e3 * step_bytes / bandwidth:.2f} ms at {bandwidth / 1e12:.2f} TB/s)"
-        print(f"batch {batch}, {input_len} in / {output_len} out, median of {runs}: "
+        print(f"batch {batch}, {'copy prompts' if copy else input_len} in / {output_len} out, median of {runs}: "
               f"TTFT {1e3 * statistics.median(ttft):.1f} ms, TPOT {1e3 * statistics.median(tpot):.2f} ms{bound}, "
               f"end-to-end {statistics.median(e2e):.3f} s")
+    print_spec_stats(engine)
 
 
 def kernels() -> None:
@@ -299,6 +342,9 @@ def main():
     parser.add_argument("--mode", choices=["throughput", "latency", "kernels"], default="throughput")
     parser.add_argument("--input-len", type=int, default=512, help="latency mode: prompt length")
     parser.add_argument("--output-len", type=int, default=256, help="latency mode: output length")
+    parser.add_argument("--speculative-config", type=json.loads, default=None, help="as LLM's, in JSON")
+    parser.add_argument("--workload", choices=["random", "copy"], default="random",
+                        help="copy: prompts asking a real model (--model) to rewrite a passage")
     args = parser.parse_args()
     if args.runs is None:
         args.runs = 3 if torch.cuda.is_available() else 1
@@ -317,7 +363,7 @@ def main():
         args.num_seqs, args.max_input_len, args.max_output_len = 8, 256, 32
     kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
-                  tensor_parallel_size=args.tp,
+                  tensor_parallel_size=args.tp, speculative_config=args.speculative_config,
                   max_model_len=args.max_input_len + args.max_output_len)
     model = args.model
     if model is None:
@@ -336,9 +382,12 @@ def main():
     llm = LLM(model, **kwargs)
     print(f"engine start-up (weights, KV cache, CUDA graphs): {time.perf_counter() - start:.1f} s")
     if args.mode == "latency":
-        return latency(llm, args.input_len, args.output_len, bandwidth)
+        return latency(llm, args.input_len, args.output_len, bandwidth, copy=args.workload == "copy")
 
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    if args.workload == "copy":   # greedy, as rewriting usually is
+        prompts = copy_prompts(llm.get_tokenizer(), args.num_seqs, 0)
+        params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=p.max_tokens) for p in params]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
     output_tokens = sum(p.max_tokens for p in params)
     input_tokens = sum(len(p) for p in prompts)
@@ -368,6 +417,7 @@ def main():
               f"{peak / 1e12:.0f} TFLOP/s = {flops / peak:.2f} s; bound {output_tokens / bound:,.0f} output tok/s; "
               f"achieved {bound / elapsed:.1%} of it")
     print(timer.report())
+    print_spec_stats(llm.llm_engine)
 
 
 if __name__ == "__main__":
