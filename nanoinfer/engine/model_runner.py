@@ -176,7 +176,8 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         with set_forward_context(meta):
             hidden_states = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions)
-        rows = min(self.config.max_num_seqs, num_tokens)
+        spec = self.config.speculative   # (k + 1 sample rows a sequence when speculating)
+        rows = min(self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)), num_tokens)
         logits = self.model.compute_logits(hidden_states[:rows])   # None on ranks other than the first
         if logits is not None:
             self.sampler(logits.float(), SamplingMetadata(

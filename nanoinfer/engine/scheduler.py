@@ -91,7 +91,13 @@ class Scheduler:
                 continue   # its last token is in flight: it finishes when that arrives
             drafts = self.drafts_that_fit(seq, budget)
             num_new = min(seq.num_tokens_with_placeholders + len(drafts) - seq.num_computed_tokens, budget)
-            new_blocks = self.allocate_or_preempt(seq, num_new + self.lookahead_of(seq, num_new), out)
+            new_blocks = None
+            if drafts:   # drafts never preempt anyone: without room for them, go without
+                new_blocks = self.block_manager.allocate_slots(seq, num_new + self.lookahead_of(seq, num_new))
+                if new_blocks is None:
+                    drafts, num_new = [], num_new - len(drafts)
+            if new_blocks is None:
+                new_blocks = self.allocate_or_preempt(seq, num_new + self.lookahead_of(seq, num_new), out)
             if new_blocks is None:
                 break      # it was the newest running sequence, preempted itself
             if drafts:

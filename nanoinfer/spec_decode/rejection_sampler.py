@@ -50,7 +50,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     for j in range(k):
         x = int(draft_token_ids[j])
         p, q = target_probs[j], draft_probs[j]
-        if q[x] > 0 and uniform[j] * q[x] <= p[x]:   # u < p(x) / q(x), without dividing
+        if uniform[j] * q[x] < p[x]:   # u < p(x) / q(x), without dividing
             out.append(x)
             continue
         residual = (p - q).clamp(min=0)
