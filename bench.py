@@ -22,7 +22,10 @@ alone: decode bandwidth, prefill TFLOP/s, next to torch's scaled_dot_product_att
 Speculative decoding: `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`
 (vLLM's keys), and `--workload copy` for prompts that ask a real model (`--model`) to rewrite a
 passage, where n-gram drafts have something to find. It then prints the drafts proposed and
-accepted, and the n-gram lookup's host time per step.
+accepted, and the n-gram lookup's host time per step. `--force-repeat` makes a random-weight
+shape repeat itself (every layer's output projections zeroed: a token's successor then depends
+on that token alone, and with tied embeddings is the token itself), so that drafts are accepted
+while every kernel costs what it did: the speed of verification at near-full acceptance.
 
 On a machine without CUDA it scales itself down (a few short prompts) so it ends in about a
 minute, and says so; the roofline is only printed on a GPU.
@@ -343,6 +346,7 @@ def main():
     parser.add_argument("--input-len", type=int, default=512, help="latency mode: prompt length")
     parser.add_argument("--output-len", type=int, default=256, help="latency mode: output length")
     parser.add_argument("--speculative-config", type=json.loads, default=None, help="as LLM's, in JSON")
+    parser.add_argument("--force-repeat", action="store_true", help="a random-weight shape that repeats itself")
     parser.add_argument("--workload", choices=["random", "copy"], default="random",
                         help="copy: prompts asking a real model (--model) to rewrite a passage")
     args = parser.parse_args()
@@ -381,6 +385,12 @@ def main():
     start = time.perf_counter()
     llm = LLM(model, **kwargs)
     print(f"engine start-up (weights, KV cache, CUDA graphs): {time.perf_counter() - start:.1f} s")
+    if args.force_repeat:
+        if args.model is not None or args.tp != 1:
+            raise SystemExit("--force-repeat is for the random-weight shapes at --tp 1")
+        for name, param in llm.llm_engine.model_executor.model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.data.zero_()   # in place: the CUDA graphs read the same memory
     if args.mode == "latency":
         return latency(llm, args.input_len, args.output_len, bandwidth, copy=args.workload == "copy")
 
