@@ -149,15 +149,16 @@ class InputBatch:
         slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         sample = end >= self.num_tokens[rows]   # the step reaches its last known token, or the one in flight
         # an input still being sampled by the previous step is taken from that step's output
-        in_flight = np.flatnonzero(positions >= self.num_tokens[token_rows] + np.repeat(num_drafts, num_new))
+        known = self.num_tokens[token_rows] + (np.repeat(num_drafts, num_new) if spec else 0)   # drafts too
+        in_flight = np.flatnonzero(positions >= known)
         owners = np.searchsorted(cu_seqlens_q, in_flight, side="right") - 1
         prev_index = [self.prev_sample_index[seq_ids[i]] for i in owners]
-        # a request with k drafts samples at its last k + 1 positions
-        per_row = num_drafts[sample] + 1
-        first = np.repeat(np.cumsum(per_row) - per_row, per_row)
-        j = np.arange(per_row.sum()) - first   # which of its positions
-        logits_indices = np.repeat(cu_seqlens_q[1:][sample] - per_row, per_row) + j
-        sample_ends = np.repeat(end[sample] - per_row + 1, per_row) + j
+        logits_indices, sample_rows, sample_ends = cu_seqlens_q[1:][sample] - 1, rows[sample], end[sample]
+        if spec:   # a request with k drafts samples at its last k + 1 positions
+            per_row = num_drafts[sample] + 1
+            j = np.arange(per_row.sum()) - np.repeat(np.cumsum(per_row) - per_row, per_row)   # which of them
+            logits_indices = np.repeat(logits_indices + 1 - per_row, per_row) + j
+            sample_rows, sample_ends = np.repeat(sample_rows, per_row), np.repeat(sample_ends + 1 - per_row, per_row) + j
         input_ids, positions, slot_mapping, logits_indices, in_flight, prev_index = self.to_device(
             np.int64, self.token_ids[token_rows, positions], positions, slot_mapping,
             logits_indices, in_flight, prev_index)
@@ -168,7 +169,7 @@ class InputBatch:
         meta = AttentionMetadata(cu_seqlens_q=cu_seqlens_q, context_lens=context_lens, slot_mapping=slot_mapping,
                                  block_tables=block_tables, max_seqlen_q=int(num_new.max()))
         step = StepInputs(input_ids, positions, meta, logits_indices, [s for s, x in zip(seq_ids, sample) if x],
-                          np.repeat(rows[sample], per_row), sample_ends)
+                          sample_rows, sample_ends)
         if spec:
             drafts = [spec.get(s, []) for s in step.sample_seq_ids]
             width = max(map(len, drafts))

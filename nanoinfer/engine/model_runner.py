@@ -60,7 +60,9 @@ class AsyncModelRunnerOutput:
         if self.copied is not None:
             self.copied.synchronize()
         token_ids = self.sampled.sampled_token_ids.tolist()
-        out = ModelRunnerOutput(self.seq_ids, [[t for t in row if t >= 0] for row in token_ids])
+        if self.rows_per_request is not None:   # verified drafts: rows padded with -1
+            token_ids = [[t for t in row if t >= 0] for row in token_ids]
+        out = ModelRunnerOutput(self.seq_ids, token_ids)
         if self.drafts is not None:
             out.spec_token_ids = self.drafts.tolist()
         if self.sampled.logprobs is not None:   # a request's emitted tokens are its first sample rows

@@ -89,7 +89,7 @@ class Scheduler:
             i += 1
             if self.reaches_length_limit(seq):
                 continue   # its last token is in flight: it finishes when that arrives
-            drafts = self.drafts_that_fit(seq, budget)
+            drafts = self.drafts_that_fit(seq, budget) if seq.spec_token_ids else []
             num_new = min(seq.num_tokens_with_placeholders + len(drafts) - seq.num_computed_tokens, budget)
             new_blocks = None
             if drafts:   # drafts never preempt anyone: without room for them, go without
@@ -164,13 +164,13 @@ class Scheduler:
         """The drafts of `seq` that its step can score: within the budget, and such that the
         accepted drafts and the target's own token stay within max_tokens and max_model_len."""
         drafts, seq.spec_token_ids = seq.spec_token_ids, []
-        if not drafts:
-            return []
         room = min(budget - (seq.num_tokens - seq.num_computed_tokens),
                    seq.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
         return drafts[:max(room, 0)]
 
     def lookahead_of(self, seq: Sequence, num_new: int) -> int:
+        if not self.lookahead:
+            return 0
         return max(min(self.lookahead, self.max_model_len - seq.num_computed_tokens - num_new), 0)
 
     def reaches_length_limit(self, seq: Sequence) -> bool:

@@ -66,32 +66,24 @@ class EagleProposer:
         """step: the StepInputs just run; hidden_states: the target's, every position [tokens, H];
         last_rows: each sampling request's last verified position (flat index); emitted: its last
         emitted token. Returns the drafts [requests, k] (on every rank)."""
-        meta: AttentionMetadata = step.attn_metadata
         input_ids = torch.cat([step.input_ids[1:], step.input_ids[-1:]])   # each position's next token
         input_ids[step.last_rows] = step.next_token_ids   # a chunk's next prompt token
         input_ids[last_rows] = emitted
-        positions = step.positions
-        if not len(last_rows):   # nobody samples: the pass only writes the new positions' keys and values
-            with set_forward_context(meta):
-                self.model(self.target.model.embed_tokens(input_ids), hidden_states, positions)
+        with set_forward_context(step.attn_metadata):
+            out = self.model(self.target.model.embed_tokens(input_ids), hidden_states, step.positions)
+        if not len(last_rows):   # nobody samples: the pass only wrote the new positions' keys and values
             return None
-        drafts = []
-        for j in range(self.k):
-            with set_forward_context(meta):
-                out = self.model(self.target.model.embed_tokens(input_ids), hidden_states, positions)
-            logits = self.target.compute_logits(out[last_rows] if j == 0 else out)   # the first rank's only
-            draft = torch.empty(len(last_rows), dtype=torch.int64, device=out.device)
-            if logits is not None:
-                draft = logits.argmax(-1)
+        hidden_states, positions, drafts = out[last_rows], step.positions[last_rows], []
+        while True:
+            logits = self.target.compute_logits(hidden_states)   # the first rank's only
+            draft = logits.argmax(-1) if logits is not None else \
+                torch.empty(len(last_rows), dtype=torch.int64, device=out.device)
             drafts.append(tp_group.broadcast(draft))
-            if j == 0:   # the next passes: one position per request
-                hidden_states, positions = out[last_rows], step.positions[last_rows]
-                block_tables = step.sample_block_tables
-            else:
-                hidden_states = out
-            input_ids, positions = drafts[-1], positions + 1
-            meta = self.decode_metadata(positions, block_tables)
-        return torch.stack(drafts, dim=1)
+            if len(drafts) == self.k:
+                return torch.stack(drafts, dim=1)
+            positions = positions + 1   # the next pass: one position per request
+            with set_forward_context(self.decode_metadata(positions, step.sample_block_tables)):
+                hidden_states = self.model(self.target.model.embed_tokens(draft), hidden_states, positions)
 
     def decode_metadata(self, positions: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
         """One query per request at `positions`; past max_model_len nothing is written or read."""
