@@ -21,7 +21,8 @@ alone: decode bandwidth, prefill TFLOP/s, next to torch's scaled_dot_product_att
 
 Speculative decoding: `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`
 (vLLM's keys), and `--workload copy` for prompts that ask a real model (`--model`) to rewrite a
-passage, where n-gram drafts have something to find. It then prints the drafts proposed and
+passage, where n-gram drafts have something to find (greedy, ending at EOS as a rewrite does;
+throughput then counts the tokens made). It then prints the drafts proposed and
 accepted, and the n-gram lookup's host time per step. `--force-repeat` makes a random-weight
 shape repeat itself (every layer's output projections zeroed: a token's successor then depends
 on that token alone, and with tied embeddings is the token itself), so that drafts are accepted
@@ -207,34 +208,41 @@ class StepTimer:
 
 def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, runs: int = 5,
             copy: bool = False) -> None:
-    """Streamed (DELTA) outputs: TTFT is when the first token reaches the caller, TPOT the time per
-    token after it. The TPOT bound: every weight and the batch's K/V read once per token."""
+    """Streamed (DELTA) outputs, per request: TTFT is when its first token reaches the caller, TPOT
+    the time per token after it (medians over the batch and the runs). Copy prompts stop at EOS,
+    as a rewrite does (at most `output_len` tokens); the others run to `output_len`. The TPOT
+    bound: every weight and the batch's K/V read once per token."""
     engine = llm.llm_engine
     matmul_params, _, kv_per_token, _ = model_sizes(engine.config.hf_config)
     dtype_bytes = engine.config.torch_dtype.itemsize
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=not copy,
+                            output_kind=RequestOutputKind.DELTA)
     for batch in (1, 8):
-        ttft, tpot, e2e = [], [], []
+        ttft, tpot, e2e, lengths = [], [], [], []
         for run in range(runs + 1):
             rng = random.Random(run)   # new prompts each run: no prefix-cache hits
             prompts = copy_prompts(engine.tokenizer, batch, run) if copy else [
                 [rng.randint(0, 10000) for _ in range(input_len)] for _ in range(batch)]
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"{batch}-{run}-{i}", prompt, params)
-            start, first = time.perf_counter(), None
+            start, first, num_tokens = time.perf_counter(), {}, {}
             while engine.has_unfinished_requests():
-                if engine.step() and first is None:
-                    first = time.perf_counter() - start
-            total = time.perf_counter() - start
-            if run:   # the first run is a warm-up
-                ttft.append(first)
-                tpot.append((total - first) / (output_len - 1))
-                e2e.append(total)
+                for out in engine.step():
+                    now, rid = time.perf_counter(), out.request_id
+                    first.setdefault(rid, now)
+                    num_tokens[rid] = num_tokens.get(rid, 0) + len(out.outputs[0].token_ids)
+                    if out.finished and run:   # the first run is a warm-up
+                        ttft.append(first[rid] - start)
+                        tpot.append((now - first[rid]) / max(num_tokens[rid] - 1, 1))
+                        lengths.append(num_tokens[rid])
+            if run:
+                e2e.append(time.perf_counter() - start)
         bound = ""
         if bandwidth:
             step_bytes = (matmul_params + batch * (input_len + output_len // 2) * kv_per_token) * dtype_bytes
             bound = f" (bound {1e3 * step_bytes / bandwidth:.2f} ms at {bandwidth / 1e12:.2f} TB/s)"
-        print(f"batch {batch}, {'copy prompts' if copy else input_len} in / {output_len} out, median of {runs}: "
+        out_len = f"{statistics.median(lengths):.0f} (median)" if copy else output_len
+        print(f"batch {batch}, {'copy prompts' if copy else input_len} in / {out_len} out, median of {runs}: "
               f"TTFT {1e3 * statistics.median(ttft):.1f} ms, TPOT {1e3 * statistics.median(tpot):.2f} ms{bound}, "
               f"end-to-end {statistics.median(e2e):.3f} s")
     print_spec_stats(engine)
@@ -397,9 +405,11 @@ def main():
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     if args.workload == "copy":   # greedy, as rewriting usually is
         prompts = copy_prompts(llm.get_tokenizer(), args.num_seqs, 0)
-        params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=p.max_tokens) for p in params]
+        params = [SamplingParams(temperature=0, max_tokens=p.max_tokens) for p in params]   # ends at EOS
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
     output_tokens = sum(p.max_tokens for p in params)
+    if args.workload == "copy":   # the tokens a run makes (greedy: the same in every run)
+        output_tokens = sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
     input_tokens = sum(len(p) for p in prompts)
     here = on_gpu and args.tp == 1   # the GPU work is in this process (else in the ranks' workers)
     timer, times = StepTimer(llm.llm_engine, here), []

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from conftest import hf_greedy, random_prompts
+from conftest import VOCAB_SIZE, hf_greedy, random_prompts, write_eagle_head, write_medusa_head
 from nanoinfer import LLM, SamplingParams
 from test_kernels import make_step, reference, rel_err
 
@@ -118,6 +118,33 @@ def test_a_step_launches_without_waiting_for_the_gpu(llama_dir):
     outs = llm.generate(random_prompts([9, 21, 14], seed=6), params, use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) >= 6 and len(outs[2].outputs[0].logprobs) == 12
     del runner.execute_model, runner.sample_tokens   # reference cycles, which would keep the memory
+
+
+@pytest.mark.parametrize("method", ["ngram", "medusa", "eagle"])
+def test_speculative_decoding_on_gpu(llama_dir, tmp_path, method):
+    """float32: verification steps replay the decode CUDA graphs (a row per token) and every
+    greedy and seeded token stays what it is without speculation."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    else:
+        spec["model"] = write_medusa_head(str(tmp_path / "head"), 64, VOCAB_SIZE, 3) if method == "medusa" \
+            else write_eagle_head(str(tmp_path / "head"), llama_dir)
+    prompts = random_prompts([5, 40, 3, 90, 17], seed=3)
+    prompts[1] = [9, 8, 7, 6] * 10   # repeats itself: n-gram drafts
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * 4 + [
+        SamplingParams(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True)]
+    settings = dict(dtype="float32", max_model_len=256, max_num_seqs=64)
+    want = LLM(llama_dir, **settings).generate(prompts, params, use_tqdm=False)
+    llm = LLM(llama_dir, speculative_config=spec, **settings)
+    graphs, rows = llm.llm_engine.model_executor.graph_runner, []
+    run = graphs.run
+    graphs.run = lambda input_ids, *a: rows.append(len(input_ids)) or run(input_ids, *a)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    del graphs.run   # a reference cycle
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert max(rows) > len(prompts)   # steps with drafts ran as graphs
+    assert llm.llm_engine.scheduler.spec_stats.num_draft_tokens > 0
 
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -15,6 +15,9 @@ Drafts (speculative decoding) are written after a request's known tokens without
 the tokens the step accepts overwrite them when they arrive. A request with k drafts is sampled
 at its last k + 1 positions: its logits rows are k + 1 "sample rows", each with the token count
 it samples at, so seeds, penalties and min_tokens apply to every row as they would one by one.
+A step that only verifies drafts (no longer prompt chunks) gives attention one row per token,
+each a single query over its own causal prefix: the same result, computed by the decode kernel,
+so the step can replay a CUDA graph like any decode.
 """
 import itertools
 import struct
@@ -159,15 +162,19 @@ class InputBatch:
             j = np.arange(per_row.sum()) - np.repeat(np.cumsum(per_row) - per_row, per_row)   # which of them
             logits_indices = np.repeat(logits_indices + 1 - per_row, per_row) + j
             sample_rows, sample_ends = np.repeat(sample_rows, per_row), np.repeat(sample_ends + 1 - per_row, per_row) + j
+        q_lens, kv_lens, table_rows = num_new, end, rows
+        if spec and num_new.max() <= num_drafts.max() + 1:   # a verification step: a row per token
+            q_lens, kv_lens, table_rows = np.ones_like(positions), positions + 1, token_rows
         input_ids, positions, slot_mapping, logits_indices, in_flight, prev_index = self.to_device(
             np.int64, self.token_ids[token_rows, positions], positions, slot_mapping,
             logits_indices, in_flight, prev_index)
         if len(in_flight):
             input_ids[in_flight] = self.prev_sampled_token_ids[prev_index]
-        cu_seqlens_q, context_lens, block_tables = self.to_device(
-            np.int32, cu_seqlens_q, end, self.block_table[rows, :-(-end.max() // bs)])
-        meta = AttentionMetadata(cu_seqlens_q=cu_seqlens_q, context_lens=context_lens, slot_mapping=slot_mapping,
-                                 block_tables=block_tables, max_seqlen_q=int(num_new.max()))
+        cu_q, context_lens, block_tables = self.to_device(
+            np.int32, np.concatenate([[0], np.cumsum(q_lens)]), kv_lens,
+            self.block_table[table_rows, :-(-end.max() // bs)])
+        meta = AttentionMetadata(cu_seqlens_q=cu_q, context_lens=context_lens, slot_mapping=slot_mapping,
+                                 block_tables=block_tables, max_seqlen_q=int(q_lens.max()))
         step = StepInputs(input_ids, positions, meta, logits_indices, [s for s, x in zip(seq_ids, sample) if x],
                           sample_rows, sample_ends)
         if spec:
