@@ -173,8 +173,8 @@ class StepTimer:
                 self.message = (num_seqs, len(pickle.dumps(sched)))
             return execute_model(sched)
 
-        def sample():
-            out = sample_tokens()
+        def sample(grammar=None):
+            out = sample_tokens(grammar)
             if on_gpu:
                 self.events[-1][1].record()
             return out

@@ -1,6 +1,7 @@
 """nanoinfer: a minimal, readable and fast LLM inference engine."""
 from nanoinfer.entrypoints.llm import LLM
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
-from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
+from nanoinfer.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "GuidedDecodingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+           "Logprob"]

@@ -16,6 +16,28 @@ class RequestOutputKind(IntEnum):
 
 
 @dataclass(kw_only=True)
+class GuidedDecodingParams:
+    """Constrain the output to a language (structured_output/): exactly one of a JSON schema (a
+    dict or its JSON text), a regular expression the whole output must match, or a list of
+    choices, one of which the output is."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"GuidedDecodingParams needs exactly one of json, regex and choice, got {given or 'none'}")
+        ok = {"json": isinstance(self.json, (dict, str)), "regex": isinstance(self.regex, str),
+              "choice": isinstance(self.choice, list) and bool(self.choice)
+              and all(isinstance(c, str) for c in self.choice)}[given[0]]
+        if not ok:
+            want = {"json": "a dict or a string", "regex": "a string", "choice": "a non-empty list of strings"}
+            raise ValueError(f"GuidedDecodingParams.{given[0]} must be {want[given[0]]}, "
+                             f"got {getattr(self, given[0])!r}")
+
+
+@dataclass(kw_only=True)
 class SamplingParams:
     n: int = 1                    # independent samples of the prompt, returned as one request's outputs
     temperature: float = 1.0      # 0 means greedy (argmax)
@@ -35,6 +57,7 @@ class SamplingParams:
     logprobs: int | None = None   # the log-probabilities of the sampled token and the top-N at each step
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -70,6 +93,8 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or (_integer(self.logprobs) and self.logprobs >= 0),
              "must be None or an integer >= 0"),
             ("output_kind", self.output_kind in list(RequestOutputKind), "must be a RequestOutputKind"),
+            ("guided_decoding", self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
+             "must be None or a GuidedDecodingParams"),
         ] + [(name, isinstance(getattr(self, name), bool), "must be True or False")
              for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")]
         for name, ok, why in checks:

@@ -177,9 +177,9 @@ def test_step_message_round_trip(llama_dir, async_scheduling):
         second.execute_model(pickle.loads(message))
         execute_model(sched)
 
-    def sample_both():
-        out = sample_tokens()
-        pairs.append((out, second.sample_tokens()))
+    def sample_both(grammar=None):
+        out = sample_tokens(grammar)
+        pairs.append((out, second.sample_tokens(pickle.loads(pickle.dumps(grammar)))))
         return out
     engine.model_executor.execute_model, engine.model_executor.sample_tokens = execute_both, sample_both
     shared = random_prompts([20], seed=50)[0]

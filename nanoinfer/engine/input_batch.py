@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from nanoinfer.attention import AttentionMetadata
-from nanoinfer.engine.messages import NewRequestData, SchedulerOutput
+from nanoinfer.engine.messages import GrammarOutput, NewRequestData, SchedulerOutput
 from nanoinfer.layers.sampler import Penalties, SamplingMetadata
 
 SAMPLING_FIELDS = np.dtype([
@@ -191,7 +191,7 @@ class InputBatch:
             (step.sample_block_tables,) = self.to_device(np.int32, self.block_table[rows[sample], :width])
         return step
 
-    def sampling_metadata(self, step: StepInputs) -> SamplingMetadata:
+    def sampling_metadata(self, step: StepInputs, grammar: GrammarOutput | None = None) -> SamplingMetadata:
         rows, ends = step.sample_rows, step.sample_ends
         s = self.sampling[rows]
         index = ends - self.num_prompt_tokens[rows]   # the output index of the token being sampled
@@ -206,7 +206,17 @@ class InputBatch:
             top_ps=None if (s["top_p"] == 1).all() else top_ps,
             min_ps=None if (s["min_p"] == 0).all() else min_ps, seeds=seeds, all_greedy=bool((s["temperature"] == 0).all()),
             max_num_logprobs=int(s["logprobs"].max()) if (s["logprobs"] >= 0).any() else None,
-            blocked_token_ids=tuple(blocked_t.T) if blocked else None, penalties=self.penalties(step, s))
+            blocked_token_ids=tuple(blocked_t.T) if blocked else None, penalties=self.penalties(step, s),
+            grammar_bitmask=None if grammar is None else self.grammar_bitmask(step, grammar))
+
+    def grammar_bitmask(self, step: StepInputs, grammar: GrammarOutput) -> torch.Tensor:
+        """The step's bitmask, a row per sample row: the constrained requests' rows, all ones elsewhere."""
+        per_request = step.rows_per_request or [1] * len(step.sample_seq_ids)
+        first_row = dict(zip(step.sample_seq_ids, itertools.accumulate(per_request, initial=0)))
+        rows = np.concatenate([np.arange(first_row[s], first_row[s] + n) for s, n in zip(grammar.seq_ids, grammar.num_rows)])
+        bitmask = np.full((len(step.sample_rows), grammar.bitmask.shape[1]), -1, np.int32)
+        bitmask[rows] = grammar.bitmask
+        return self.to_device(np.int32, bitmask)[0]
 
     def penalties(self, step: StepInputs, s: np.ndarray) -> Penalties | None:
         """Each penalised row's tokens so far. The last one may still be in flight on the host,

@@ -38,6 +38,7 @@ from nanoinfer.engine.sequence import Sequence
 from nanoinfer.executor.multiproc_executor import MultiprocExecutor
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.structured_output import Grammar, StructuredOutputManager
 
 PromptType = str | list[int] | dict
 
@@ -67,6 +68,8 @@ class LLMEngine:
                                      config.enable_prefix_caching)
         self.scheduler = Scheduler(config, block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
+                                                         config.eos_token_ids)
         self.in_flight: deque = deque()   # the outputs of launched steps (`get_output()` waits)
         self.seq_counter = count()
         self.error: BaseException | None = None   # what killed the engine, if anything did
@@ -93,8 +96,11 @@ class LLMEngine:
         max_tokens = params.max_tokens or self.config.max_model_len - len(token_ids)
         children = [params if params.seed is None else dataclasses.replace(params, seed=wrap64(params.seed + i))
                     for i in range(params.n)]   # the samples of n > 1: seeds seed, seed + 1, ...
+        compiled = None if params.guided_decoding is None else self.structured_output.compile(params.guided_decoding)
         seqs = [Sequence(next(self.seq_counter), token_ids, p, max_tokens, self.config.block_size)
                 for p in children]
+        for seq in seqs if compiled is not None else ():
+            seq.grammar = Grammar(compiled)
         self.output_processor.add_request(request_id, text, token_ids, children, [s.seq_id for s in seqs])
         for seq in seqs:
             self.scheduler.add(seq)
@@ -188,6 +194,7 @@ class LLMEngine:
         if isinstance(self.model_executor, MultiprocExecutor):
             self.model_executor.shutdown(graceful)
         self.model_executor = None
+        self.structured_output.shutdown()
         self.error = self.error or EngineDeadError("the engine was shut down")
         gc.unfreeze()   # let the collector free the model's reference cycles
         gc.collect()
@@ -205,10 +212,19 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.model_executor.execute_model(sched)
-        self.in_flight.append(self.model_executor.sample_tokens())
+        core_outputs, self.scheduler.unstepped_outputs = self.scheduler.unstepped_outputs, []
+        grammar = None
+        if self.scheduler.num_guided and any(self.scheduler.requests[s].grammar is not None
+                                             for s in sched.num_scheduled_tokens if s in self.scheduler.requests):
+            # their grammars' states must have seen the tokens of the step in flight
+            while self.in_flight:
+                core_outputs += self.scheduler.update_from_output(self.in_flight.popleft().get_output())
+            grammar = self.structured_output.grammar_bitmask(self.scheduler.requests, sched)
+        elif not sched.num_scheduled_tokens and self.scheduler.waiting and not self.in_flight:
+            self.structured_output.wait_for_compilation(self.scheduler.waiting)
+        self.in_flight.append(self.model_executor.sample_tokens(grammar))
         self.num_prefill_tokens = sum(n for n in sched.num_scheduled_tokens.values() if n > 1)
         self.num_decode_tokens = sum(1 for n in sched.num_scheduled_tokens.values() if n == 1)
-        core_outputs = []
         # async scheduling leaves the step just launched in flight and finishes the one before
         keep = 1 if self.config.async_scheduling and sched.num_scheduled_tokens else 0
         while len(self.in_flight) > keep:

@@ -1,4 +1,4 @@
-"""The two messages of a step between the scheduler and the model runner.
+"""The messages of a step between the scheduler and the model runner.
 
 `SchedulerOutput` goes in: what to compute. It holds plain data only (no `Sequence`, no tensor),
 so it pickles to a few KB and can be sent to workers in other processes (tensor and pipeline
@@ -16,8 +16,13 @@ from that step's output on the device.
 `ModelRunnerOutput` comes back: for each sampled request, the tokens it produced (one, or with
 speculative decoding the accepted drafts and one more), and drafts for its next step when the
 runner proposes them (EAGLE, Medusa).
+
+`GrammarOutput` goes in with the call to sample, when requests are guided (structured_output/):
+made after the execute call, since with async scheduling it needs the tokens of the step before.
 """
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from nanoinfer.sampling_params import SamplingParams
 
@@ -71,3 +76,12 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)   # each one's new tokens, in order
     logprobs: LogprobsLists | None = None
     spec_token_ids: list[list[int]] | None = None   # each one's drafts for the next step
+
+
+@dataclass
+class GrammarOutput:
+    """The bitmask of a step's constrained requests: their sample rows, in the order of `seq_ids`
+    (a request with k drafts has k + 1 rows)."""
+    seq_ids: list[int]
+    num_rows: list[int]
+    bitmask: np.ndarray   # int32 [sum(num_rows), ceil(vocab / 32)]

@@ -5,8 +5,8 @@
 request back to back: `input_ids`, `positions`, where each one's K/V goes, per request its query
 range, key count and block table), runs the forward and computes the logits of the requests that
 sample: their last hidden state goes through the LM head; the others' prompt chunks only fill the
-cache. `sample_tokens()` then processes those logits on the device (min_tokens, penalties, and
-later the guided-decoding bitmask) and samples. The runner never sees a `Sequence`: the message
+cache. `sample_tokens(grammar)` then processes those logits on the device (a guided request's
+bitmask, min_tokens, penalties) and samples. The runner never sees a `Sequence`: the message
 is all it is told, so a worker in another process can run the same step from the same message.
 
 The KV cache is one tensor [2 (K, V), layers, blocks, block_size, kv_heads, head_dim]; each
@@ -26,7 +26,7 @@ from nanoinfer.config import Config
 from nanoinfer.distributed import get_tp_group
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.input_batch import InputBatch, StepInputs
-from nanoinfer.engine.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from nanoinfer.engine.messages import GrammarOutput, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanoinfer.models import MODEL_REGISTRY
@@ -221,8 +221,9 @@ class ModelRunner:
             self.drafter.propose(step, hidden_states, empty, empty, self.tp_group)
 
     @torch.inference_mode()
-    def sample_tokens(self) -> AsyncModelRunnerOutput:
-        """Process the executed step's logits and sample (still without waiting for the GPU)."""
+    def sample_tokens(self, grammar: GrammarOutput | None = None) -> AsyncModelRunnerOutput:
+        """Process the executed step's logits and sample (still without waiting for the GPU);
+        `grammar`: the bitmask of the constrained requests' rows (structured output)."""
         if self.pending is None:
             return AsyncModelRunnerOutput([])
         step, logits, hidden_states = self.pending
@@ -233,7 +234,7 @@ class ModelRunner:
             self.input_batch.record_sampled(step.sample_seq_ids, self.tp_group.broadcast(token_ids))
             self.propose_drafts(step, hidden_states, token_ids)   # (EAGLE's layers are split over the ranks)
             return AsyncModelRunnerOutput([])
-        sampled = self.sampler(logits, self.input_batch.sampling_metadata(step))
+        sampled = self.sampler(logits, self.input_batch.sampling_metadata(step, grammar))
         rows_per_request = None
         if step.num_drafts is not None:   # keep the accepted drafts and the target's next token
             sampled.sampled_token_ids = accept_drafts(sampled.sampled_token_ids[:, 0], step.draft_token_ids,

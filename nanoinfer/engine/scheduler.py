@@ -63,7 +63,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finished_seq_ids: set[int] = set()   # since the last step, for the runner to forget
+        self.unstepped_outputs: list[EngineCoreOutput] = []   # finished without a step (a failed grammar)
         self.num_preemptions = 0
+        self.num_guided = 0   # live sequences with a grammar (structured output)
         spec = config.speculative
         self.ngram = None if spec is None or spec.method != "ngram" else NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, self.max_model_len)
@@ -73,6 +75,9 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.seq_id] = seq
+        if seq.grammar is not None:
+            seq.status = SequenceStatus.WAITING_FOR_FSM
+            self.num_guided += 1
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -111,16 +116,20 @@ class Scheduler:
             self.advance(seq, num_new, out)
             budget -= num_new
 
-        while (self.waiting and budget > 0 and not out.preempted_seq_ids
+        i = 0   # the first waiting sequence not passed over (its grammar still compiling)
+        while (i < len(self.waiting) and budget > 0 and not out.preempted_seq_ids
                and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[i]
+            if seq.status == SequenceStatus.WAITING_FOR_FSM and not self.grammar_ready(seq):
+                i += not seq.is_finished   # (a finished one left the queue)
+                continue
             computed = self.block_manager.get_computed_blocks(seq)
             num_cached = len(computed) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             lookahead = self.lookahead_of(seq, num_cached + num_new - seq.num_computed_tokens)
             if self.block_manager.allocate_slots(seq, num_new + lookahead, computed) is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
             if seq.num_cached_tokens is None:
@@ -160,13 +169,26 @@ class Scheduler:
         if seq.num_computed_tokens // bs > (seq.num_computed_tokens - num_new) // bs:   # a block filled up
             self.block_manager.cache_full_blocks(seq)
 
+    def grammar_ready(self, seq: Sequence) -> bool:
+        """Is `seq`'s grammar compiled? A grammar that failed to compile finishes it ("abort")."""
+        try:
+            if not seq.grammar.ready():
+                return False
+        except Exception as e:   # (the constraint was checked when added: too many states, say)
+            self.finish(seq, "abort", f"guided decoding failed: {e}")
+            self.unstepped_outputs.append(EngineCoreOutput(seq.seq_id, [], None, 0, "abort", seq.stop_reason))
+            return False
+        seq.status = SequenceStatus.WAITING
+        return True
+
     def drafts_that_fit(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts of `seq` that its step can score: within the budget, and such that the
         accepted drafts and the target's own token stay within max_tokens and max_model_len."""
         drafts, seq.spec_token_ids = seq.spec_token_ids, []
         room = min(budget - (seq.num_tokens - seq.num_computed_tokens),
                    seq.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
-        return drafts[:max(room, 0)]
+        drafts = drafts[:max(room, 0)]
+        return seq.grammar.valid_drafts(drafts) if seq.grammar is not None else drafts
 
     def lookahead_of(self, seq: Sequence, num_new: int) -> int:
         if not self.lookahead:
@@ -194,6 +216,8 @@ class Scheduler:
             new_token_ids = []
             for token_id in token_ids:
                 seq.append_token(token_id)
+                if seq.grammar is not None:
+                    seq.grammar.accept(token_id)
                 new_token_ids.append(token_id)
                 if seq.num_tokens % self.block_manager.block_size == 0:   # it completed a block
                     self.block_manager.cache_full_blocks(seq)
@@ -228,9 +252,10 @@ class Scheduler:
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.finished_seq_ids.add(seq.seq_id)   # the runner holds it: tell it to forget it
-        elif seq.status == SequenceStatus.WAITING:
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_FSM):
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.num_guided -= seq.grammar is not None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.requests.pop(seq.seq_id, None)

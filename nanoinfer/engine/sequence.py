@@ -32,6 +32,7 @@ def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
 
 
 class SequenceStatus(Enum):
+    WAITING_FOR_FSM = auto()   # its grammar (structured output) is still being compiled
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
@@ -57,6 +58,7 @@ class Sequence:
         self.block_size = block_size
         self.block_hashes: list[int] = []
         self.hash_full_blocks()
+        self.grammar = None   # structured output: its constraint and state (structured_output/)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 

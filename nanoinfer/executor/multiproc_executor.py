@@ -14,8 +14,8 @@ second queue, from a thread, once the GPU has them, so that it is already launch
       queue <- ("execute_model", sched) ---> runner.execute_model ... runner.execute_model
                                               forward  ...... all-reduce per layer ...... forward
                                               logits <------- gather ------------------ logit shard
-    sample_tokens()
-      queue <- ("sample_tokens",)  --------> runner.sample_tokens ... runner.sample_tokens
+    sample_tokens(grammar)
+      queue <- ("sample_tokens", grammar) -> runner.sample_tokens ... runner.sample_tokens
                                               sample; broadcast tokens --> next step's inputs
     get_output()  <-- responses <-- thread: tokens on the host
 
@@ -42,7 +42,7 @@ import torch
 
 from nanoinfer import distributed
 from nanoinfer.config import Config
-from nanoinfer.engine.messages import SchedulerOutput
+from nanoinfer.engine.messages import GrammarOutput, SchedulerOutput
 from nanoinfer.engine.model_runner import ModelRunner, ModelRunnerOutput
 from nanoinfer.executor.message_queue import MessageQueue
 
@@ -86,9 +86,9 @@ class MultiprocExecutor:
         self.check_health()
         self.queue.enqueue(("execute_model", (sched,)), self.check_health)
 
-    def sample_tokens(self) -> "FutureOutput":
+    def sample_tokens(self, grammar: GrammarOutput | None = None) -> "FutureOutput":
         self.check_health()
-        self.queue.enqueue(("sample_tokens", ()), self.check_health)
+        self.queue.enqueue(("sample_tokens", (grammar,)), self.check_health)
         return FutureOutput(self)
 
     def check_health(self) -> None:

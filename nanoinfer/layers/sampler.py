@@ -1,8 +1,10 @@
 """From logits to next tokens, one row per sequence, each with its own sampling parameters.
 
 Order of operations (vLLM's):
-1. Logprobs, when asked for, are the raw model's: log_softmax of the logits as they come.
-2. Logits processing. Tokens that may not be sampled yet are set to -inf (EOS and stop ids before
+1. Logprobs, when asked for, are the raw model's: log_softmax of the logits as they come (but
+   after a grammar's mask, see 2).
+2. Logits processing. A guided request's grammar bitmask comes first (structured_output/; so its
+   logprobs see the constraint, as vLLM's do). Tokens that may not be sampled yet are set to -inf (EOS and stop ids before
    min_tokens). Then the penalties, from each row's tokens so far: repetition (for tokens of the
    prompt or the output, a positive logit is divided by it, a negative one multiplied), frequency
    (minus the penalty times the token's count in the output) and presence (minus the penalty if
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanoinfer.kernels.bitmask import apply_token_bitmask
 from nanoinfer.kernels.sampling import gumbel_max_sample
 
 
@@ -48,6 +51,7 @@ class SamplingMetadata:
     max_num_logprobs: int | None        # the most top-N logprobs any row asked for
     blocked_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, token ids) masked out
     penalties: Penalties | None = None
+    grammar_bitmask: torch.Tensor | None = None   # int32 [rows, ceil(vocab / 32)]: the allowed tokens
 
 
 @dataclass
@@ -111,6 +115,8 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` ([rows, vocab], changed in place)."""
+        if meta.grammar_bitmask is not None:   # (first, as vLLM: the logprobs see it too)
+            apply_token_bitmask(logits, meta.grammar_bitmask)
         raw_logprobs = None if meta.max_num_logprobs is None else logits.float().log_softmax(dim=-1)
         if meta.blocked_token_ids is not None:   # (a value on the device: a Python float would be copied over)
             logits.index_put_(meta.blocked_token_ids, logits.new_full((), float("-inf")))

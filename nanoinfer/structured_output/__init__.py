@@ -1,0 +1,124 @@
+"""Structured output (guided decoding): every token a request samples keeps its text inside a
+language, given as a regex, a JSON schema or a list of choices.
+
+The pipeline, per request:
+1. `add_request`: the constraint becomes a regex (json_schema.py; choices are an alternation of
+   escaped literals) and is parsed at once, so an unsupported feature is a ValueError there;
+2. a background thread compiles it: the regex's DFA over bytes (regex.py) and, against the
+   tokenizer's vocabulary, the tokens of its start state (token_index.py). Meanwhile the request
+   waits in WAITING_FOR_FSM and the scheduler takes the requests behind it, so no compilation
+   ever holds up a step. Compiled grammars are cached by regex;
+3. each step, for each constrained request that samples, the bitmask of its DFA state (and with
+   drafts, of the state after each draft: one row per sample row) goes to the runner
+   (`GrammarOutput`), which sets every token outside it to -inf before sampling
+   (kernels/bitmask.py);
+4. each token the request emits advances its state (`Grammar.accept`); drafts are cut at the
+   first one the grammar does not allow, which could never have been accepted.
+The state lives with the request in the scheduler, so preemption keeps it. With async scheduling
+the bitmask of step N + 1 needs step N's token: the engine then launches step N + 1's forward,
+waits for step N's tokens, advances the states, and only then samples (LLMEngine._step).
+"""
+import re
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+import numpy as np
+
+from nanoinfer.engine.messages import GrammarOutput
+from nanoinfer.sampling_params import GuidedDecodingParams
+from nanoinfer.structured_output.json_schema import json_schema_to_regex
+from nanoinfer.structured_output.regex import Parser, compile_regex
+from nanoinfer.structured_output.token_index import TokenIndex, Vocabulary, vocabulary_bytes
+
+MAX_CACHED_GRAMMARS = 64
+
+
+class Grammar:
+    """One request's constraint: its compiled token index, once ready, and its DFA state."""
+
+    def __init__(self, compiled: Future):
+        self.compiled, self.index, self.state = compiled, None, 0
+
+    def ready(self) -> bool:
+        """Has the compilation finished? (Raises its error if it failed.)"""
+        if self.index is None and self.compiled.done():
+            self.index = self.compiled.result()
+            self.state = self.index.dfa.start
+        return self.index is not None
+
+    def accept(self, token_id: int) -> None:
+        self.state = self.index.advance(self.state, token_id)
+
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The drafts up to the first one the grammar does not allow."""
+        state = self.state
+        for i, token_id in enumerate(drafts):
+            state = self.index.advance(state, token_id)
+            if state == 0:
+                return drafts[:i]
+        return drafts
+
+    def bitmasks(self, drafts: list[int]) -> np.ndarray:
+        """A bitmask row for the state now and after each draft."""
+        states = [self.state]
+        for token_id in drafts:
+            states.append(self.index.advance(states[-1], token_id))
+        return np.stack([self.index.bitmask(s) for s in states])
+
+
+class StructuredOutputManager:
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self.vocab: Vocabulary | None = None   # made on first use, in the thread
+        self.indexes: dict[str, TokenIndex] = {}
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-grammar")
+
+    def compile(self, params: GuidedDecodingParams) -> Future:
+        """Check the constraint now (ValueError) and compile it in the background."""
+        if self.tokenizer is None:
+            raise ValueError("guided decoding needs a tokenizer; the engine was started with skip_tokenizer_init")
+        if params.json is not None:
+            regex = json_schema_to_regex(params.json)
+        elif params.choice is not None:
+            regex = "(" + "|".join(re.escape(c) for c in params.choice) + ")"
+        else:
+            regex = params.regex
+        Parser(regex).parse()
+        return self.executor.submit(self.token_index, regex)
+
+    def token_index(self, regex: str) -> TokenIndex:
+        if self.vocab is None:
+            self.vocab = Vocabulary(vocabulary_bytes(self.tokenizer, self.vocab_size), self.eos_token_ids)
+        index = self.indexes.get(regex)
+        if index is None:
+            index = TokenIndex(compile_regex(regex), self.vocab)
+            index.bitmask(index.dfa.start)
+            if len(self.indexes) >= MAX_CACHED_GRAMMARS:
+                del self.indexes[next(iter(self.indexes))]   # the oldest
+            self.indexes[regex] = index
+        return index
+
+    @staticmethod
+    def grammar_bitmask(requests: dict, sched) -> GrammarOutput | None:
+        """The bitmask rows of the step's constrained requests that sample (those with a token in
+        flight: the step's own placeholder, once the step before has been processed)."""
+        seq_ids, num_rows, rows = [], [], []
+        for seq_id in sched.num_scheduled_tokens:
+            seq = requests.get(seq_id)
+            if seq is None or seq.grammar is None or not seq.num_output_placeholders:
+                continue
+            mask = seq.grammar.bitmasks(sched.scheduled_spec_decode_tokens.get(seq_id, []))
+            seq_ids.append(seq_id)
+            num_rows.append(len(mask))
+            rows.append(mask)
+        return GrammarOutput(seq_ids, num_rows, np.concatenate(rows)) if rows else None
+
+    @staticmethod
+    def wait_for_compilation(waiting) -> None:
+        """Nothing to run but grammars compiling: wait for one a little, rather than spin."""
+        compiling = [seq.grammar.compiled for seq in waiting if seq.grammar is not None and seq.grammar.index is None]
+        if compiling:
+            wait(compiling, timeout=0.05, return_when=FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,105 @@
+"""From a DFA over bytes to the tokens each state allows: the vocabulary walk and the bitmask.
+
+The model picks tokens, not bytes, so each DFA state needs the set of tokens whose bytes, walked
+from that state, end in a live state (one from which the text can still be completed; the
+dead state 0 is where every wrong byte leads). The walk runs for all tokens at once, one byte
+column at a time: `state = table[state, byte_class[tokens[:, j]]]`, dropping the tokens that
+died or ended, so a state that allows few tokens costs little. EOS is allowed where the text
+so far is a full match (an accepting state), and only there; an accepting state with no way on
+allows EOS alone.
+
+The result is a bitmask, 32 tokens to an int32 word (bit t % 32 of word t // 32 is token t),
+what the sampler receives; it is computed the first time a state is reached and kept.
+
+The vocabulary's bytes: byte-level BPE tokens (GPT-2, Llama 3, Qwen, SmolLM) spell bytes with
+printable stand-in characters, which map back; SentencePiece tokens spell a space as '▁' and raw
+bytes as `<0xAB>`. Special tokens have no bytes and are never allowed (EOS aside).
+"""
+import json
+import re
+
+import numpy as np
+
+from nanoinfer.structured_output.regex import DFA
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's map from stand-in character to byte: printable bytes stand for themselves, the
+    others for the characters from U+0100 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+def vocabulary_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
+    """Each token id's bytes (None: a special token, or an id the tokenizer does not have)."""
+    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder")
+    byte_level = "ByteLevel" in json.dumps(decoder)
+    alphabet = byte_level_alphabet()
+    added = {i: t for i, t in tokenizer.added_tokens_decoder.items()}
+    out: list[bytes | None] = [None] * vocab_size
+    for token, i in tokenizer.get_vocab().items():
+        if i >= vocab_size:
+            continue
+        if i in added:
+            out[i] = None if added[i].special else added[i].content.encode()
+        elif m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", token):
+            out[i] = bytes([int(m.group(1), 16)])
+        elif byte_level and all(c in alphabet for c in token):
+            out[i] = bytes(alphabet[c] for c in token)
+        else:
+            out[i] = token.replace("▁", " ").encode()
+    return out
+
+
+class Vocabulary:
+    """A tokenizer's tokens as a byte matrix, made once per engine."""
+
+    def __init__(self, token_bytes: list[bytes | None], eos_token_ids: list[int]):
+        self.token_bytes, self.eos_token_ids, self.size = token_bytes, eos_token_ids, len(token_bytes)
+        self.ids = np.array([i for i, b in enumerate(token_bytes) if b], np.int64)
+        self.lengths = np.array([len(token_bytes[i]) for i in self.ids], np.int64)
+        self.matrix = np.zeros((len(self.ids), self.lengths.max(initial=1)), np.uint8)
+        for row, i in enumerate(self.ids):
+            self.matrix[row, :len(token_bytes[i])] = np.frombuffer(token_bytes[i], np.uint8)
+        self.num_words = -(-self.size // 32)
+
+
+class TokenIndex:
+    """One grammar's DFA against one vocabulary: per state, the bitmask of allowed tokens."""
+
+    def __init__(self, dfa: DFA, vocab: Vocabulary):
+        self.dfa, self.vocab = dfa, vocab
+        self.masks: dict[int, np.ndarray] = {}
+
+    def allowed(self, state: int) -> np.ndarray:
+        """Bool [vocab size]: the tokens allowed in `state`."""
+        vocab, table, byte_class = self.vocab, self.dfa.table, self.dfa.byte_class
+        allowed = np.zeros(vocab.size, np.bool_)
+        rows = np.arange(len(vocab.ids))
+        states = np.full(len(rows), state, np.int32)
+        for j in range(vocab.matrix.shape[1]):
+            states = table[states, byte_class[vocab.matrix[rows, j]]]
+            ended = vocab.lengths[rows] == j + 1
+            allowed[vocab.ids[rows[ended]]] = states[ended] != 0
+            keep = ~ended & (states != 0)
+            rows, states = rows[keep], states[keep]
+            if not len(rows):
+                break
+        if state == 0 or self.dfa.accepting[state]:   # (0: after an EOS that ignore_eos passed)
+            allowed[self.vocab.eos_token_ids] = True
+        return allowed
+
+    def bitmask(self, state: int) -> np.ndarray:
+        """int32 [words]: bit t % 32 of word t // 32 set if token t is allowed."""
+        mask = self.masks.get(state)
+        if mask is None:
+            bits = np.zeros(self.vocab.num_words * 32, np.bool_)
+            bits[:self.vocab.size] = self.allowed(state)
+            mask = self.masks[state] = np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+        return mask
+
+    def advance(self, state: int, token_id: int) -> int:
+        """The state after `token_id` (EOS and tokens without bytes lead to the dead state 0)."""
+        data = self.vocab.token_bytes[token_id] if token_id < self.vocab.size else None
+        return self.dfa.walk(state, data) if data else 0
