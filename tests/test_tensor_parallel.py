@@ -1,13 +1,14 @@
 """Tensor parallelism on the CPU: two ranks (worker processes) over gloo.
 
 Greedy tokens equal transformers' for every family (one of them with a single KV head, which both
-ranks then hold); with chunked prefill, prefix caching, preemption, seeded sampling and logprobs
-the tokens equal one rank's, with async scheduling and without; and the processes and shared
+ranks then hold); with chunked prefill, prefix caching, preemption, seeded sampling, logprobs and
+guided decoding the tokens equal one rank's, with async scheduling and without; and the processes and shared
 memory are gone after shutdown, after a worker is killed, and after Ctrl-C.
 """
 import gc
 import multiprocessing as mp
 import os
+import re
 import signal
 import threading
 import time
@@ -15,7 +16,7 @@ import time
 import pytest
 
 from conftest import VOCAB_SIZE, hf_greedy, random_prompts, save_model, write_eagle_head, write_medusa_head
-from nanoinfer import LLM, SamplingParams
+from nanoinfer import LLM, GuidedDecodingParams, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.engine.llm_engine import EngineDeadError
 from nanoinfer.executor.message_queue import MessageQueue
@@ -60,6 +61,8 @@ def engine_run(path: str, tp: int, async_scheduling: bool = True) -> tuple[list,
     prompts = random_prompts([30, 9, 41, 25, 50, 17], seed=4, prefix=prefix)
     params = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=12, logprobs=3, ignore_eos=True),
               SamplingParams(temperature=1.0, top_p=0.9, seed=-3, max_tokens=12, ignore_eos=True)] * 2
+    params[5] = SamplingParams(temperature=1.0, seed=5, max_tokens=12,   # guided: the bitmask reaches rank 0
+                               guided_decoding=GuidedDecodingParams(regex="[a-z ]{4,30}"))
     llm = LLM(path, tensor_parallel_size=tp, num_kvcache_blocks=10, max_model_len=128,
               max_num_batched_tokens=16, async_scheduling=async_scheduling)
     try:
@@ -74,6 +77,7 @@ def engine_run(path: str, tp: int, async_scheduling: bool = True) -> tuple[list,
         llm.shutdown()
     for prompt, out in zip(prompts[::3], outputs[::3]):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, 12)
+    assert re.fullmatch("[a-z ]{1,30}", outputs[5].outputs[0].text)   # (a prefix, if cut by max_tokens)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 

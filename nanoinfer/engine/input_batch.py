@@ -17,7 +17,9 @@ at its last k + 1 positions: its logits rows are k + 1 "sample rows", each with 
 it samples at, so seeds, penalties and min_tokens apply to every row as they would one by one.
 A step that only verifies drafts (no longer prompt chunks) gives attention one row per token,
 each a single query over its own causal prefix: the same result, computed by the decode kernel,
-so the step can replay a CUDA graph like any decode.
+so the step can replay a CUDA graph like any decode. Each row reads its sequence's keys again
+(k + 1 times in all, against once for the multi-query kernel), which the graph's saved launches
+pay for only while a graph can run the step: larger steps, and eager engines, are not flattened.
 """
 import itertools
 import struct
@@ -79,6 +81,7 @@ class InputBatch:
                  eos_token_ids: list[int], device: torch.device, seed: int, lookahead: int = 0):
         self.block_size, self.vocab_size, self.eos_token_ids = block_size, vocab_size, eos_token_ids
         self.lookahead = lookahead   # positions past a step that EAGLE's drafts write
+        self.max_flat_rows = 0       # verification steps of up to this many tokens run as decode rows
         self.device = device
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)   # pages are touched as used
         self.num_tokens = np.zeros(max_num_reqs, np.int64)
@@ -163,7 +166,8 @@ class InputBatch:
             logits_indices = np.repeat(logits_indices + 1 - per_row, per_row) + j
             sample_rows, sample_ends = np.repeat(sample_rows, per_row), np.repeat(sample_ends + 1 - per_row, per_row) + j
         q_lens, kv_lens, table_rows = num_new, end, rows
-        if spec and num_new.max() <= num_drafts.max() + 1:   # a verification step: a row per token
+        if spec and num_new.max() <= num_drafts.max() + 1 and len(positions) <= self.max_flat_rows:
+            # a verification step that a CUDA graph can run: a row per token
             q_lens, kv_lens, table_rows = np.ones_like(positions), positions + 1, token_rows
         input_ids, positions, slot_mapping, logits_indices, in_flight, prev_index = self.to_device(
             np.int64, self.token_ids[token_rows, positions], positions, slot_mapping,

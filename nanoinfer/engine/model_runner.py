@@ -126,6 +126,7 @@ class ModelRunner:
             self.graph_runner = CUDAGraphRunner(
                 self.model, min(config.max_num_seqs, 512), -(-config.max_model_len // self.block_size),
                 hf_config.hidden_size, self.dtype, self.device)
+            self.input_batch.max_flat_rows = self.graph_runner.batch_sizes[-1]
 
     def check_kv_cache_holds_max_model_len(self, kv_cache_bytes: float | None, bytes_per_token: int) -> int:
         """The number of KV cache blocks (from `num_kvcache_blocks`, the CPU's cache space, or

@@ -124,6 +124,8 @@ class Scheduler:
                 i += not seq.is_finished   # (a finished one left the queue)
                 continue
             computed = self.block_manager.get_computed_blocks(seq)
+            if self.lookahead and computed:   # EAGLE: the draft layer's keys at a cached block's last
+                computed = computed[:-1]      # position came from the token after it, which may differ
             num_cached = len(computed) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             lookahead = self.lookahead_of(seq, num_cached + num_new - seq.num_computed_tokens)
