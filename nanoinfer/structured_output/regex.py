@@ -316,11 +316,11 @@ def minimize(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.n
     live[0] = False
     block = np.where(live, 1 + accepting, 0)   # dead, live, accepting
     while True:   # split blocks whose states lead to different blocks, until none splits
-        signature = np.concatenate([block[:, None], block[table]], axis=1)
-        new = np.unique(signature, axis=0, return_inverse=True)[1].reshape(-1)
-        if new.max() + 1 == len(np.unique(block)):
+        rows = np.ascontiguousarray(np.concatenate([block[:, None], block[table]], 1), dtype=np.int64)
+        new = np.unique(rows.view(np.dtype((np.void, rows.shape[1] * 8))).ravel(), return_inverse=True)[1]
+        if new.max() + 1 == len(np.unique(block)):   # (each row as one opaque value: fast to sort)
             break
-        block = new
+        block = new.reshape(-1)
     order = list(dict.fromkeys([block[0], block[1], *block]))   # the dead block first, then the start's
     rank = np.empty(block.max() + 1, np.int64)
     rank[order] = np.arange(len(order))
