@@ -249,3 +249,13 @@ def test_default_model_outputs_parse(default_model):
     outs = llm.generate(prompts, json_params + others, use_tqdm=False)
     assert check_outputs(outs, json_params + others) >= 5
     assert all(o.outputs[0].finish_reason == "stop" for o in outs[5:])
+
+
+def test_min_tokens_yields_to_a_finished_grammar(llama_dir):
+    """EOS blocked by min_tokens, and a grammar that allows only EOS: the grammar wins."""
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=20, min_tokens=10,
+                            guided_decoding=GuidedDecodingParams(choice=["ab"]))
+    llm = LLM(llama_dir, max_model_len=256)
+    out = llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]
+    text = llm.get_tokenizer().decode(out.token_ids, skip_special_tokens=False)
+    assert (text.removesuffix("</s>"), out.finish_reason) == ("ab", "stop")

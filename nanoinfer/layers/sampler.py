@@ -119,7 +119,10 @@ class Sampler(nn.Module):
             apply_token_bitmask(logits, meta.grammar_bitmask)
         raw_logprobs = None if meta.max_num_logprobs is None else logits.float().log_softmax(dim=-1)
         if meta.blocked_token_ids is not None:   # (a value on the device: a Python float would be copied over)
+            allowed = None if meta.grammar_bitmask is None else logits.clone()
             logits.index_put_(meta.blocked_token_ids, logits.new_full((), float("-inf")))
+            if allowed is not None:   # a grammar that allows only what min_tokens blocks (EOS) wins
+                logits.copy_(torch.where(logits.isneginf().all(-1, keepdim=True), allowed, logits))
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
         token_ids = self.sample(logits, meta).unsqueeze(1)

@@ -6,7 +6,8 @@ dead state 0 is where every wrong byte leads). The walk runs for all tokens at o
 column at a time: `state = table[state, byte_class[tokens[:, j]]]`, dropping the tokens that
 died or ended, so a state that allows few tokens costs little. EOS is allowed where the text
 so far is a full match (an accepting state), and only there; an accepting state with no way on
-allows EOS alone.
+allows EOS alone. (A vocabulary without every single byte as a token can leave a state that no
+token leaves: there EOS is allowed, ending the request rather than breaking the constraint.)
 
 The result is a bitmask, 32 tokens to an int32 word (bit t % 32 of word t // 32 is token t),
 what the sampler receives; it is computed the first time a state is reached and kept.
@@ -89,9 +90,9 @@ class TokenIndex:
             rows, states = rows[keep], states[keep]
             if not len(rows):
                 break
-        if state == 0 or self.dfa.accepting[state]:   # (0: after an EOS that ignore_eos passed)
-            allowed[self.vocab.eos_token_ids] = True
-        return allowed
+        if state == 0 or self.dfa.accepting[state] or not allowed.any():
+            allowed[self.vocab.eos_token_ids] = True   # (0: after an EOS that ignore_eos let pass; a state
+        return allowed                                 # no token leaves, in a vocabulary without all bytes)
 
     def bitmask(self, state: int) -> np.ndarray:
         """int32 [words]: bit t % 32 of word t // 32 set if token t is allowed."""
