@@ -5,7 +5,8 @@ The pipeline, per request:
 1. `add_request`: the constraint becomes a regex (json_schema.py; choices are an alternation of
    escaped literals) and is parsed at once, so an unsupported feature is a ValueError there;
 2. a background thread compiles it: the regex's DFA over bytes (regex.py) and, against the
-   tokenizer's vocabulary, the tokens of its start state (token_index.py). Meanwhile the request
+   tokenizer's vocabulary, the tokens of its start state (token_index.py); a second one then
+   works out the other states' tokens ahead of need. Meanwhile the request
    waits in WAITING_FOR_FSM and the scheduler takes the requests behind it, so no compilation
    ever holds up a step. Compiled grammars are cached by regex;
 3. each step, for each constrained request that samples, the bitmask of its DFA state (and with
@@ -26,7 +27,7 @@ import numpy as np
 from nanoinfer.engine.messages import GrammarOutput
 from nanoinfer.sampling_params import GuidedDecodingParams
 from nanoinfer.structured_output.json_schema import json_schema_to_regex
-from nanoinfer.structured_output.regex import Parser, compile_regex
+from nanoinfer.structured_output.regex import compile_regex, parse
 from nanoinfer.structured_output.token_index import TokenIndex, Vocabulary, vocabulary_bytes
 
 MAX_CACHED_GRAMMARS = 64
@@ -72,6 +73,8 @@ class StructuredOutputManager:
         self.vocab: Vocabulary | None = None   # made on first use, in the thread
         self.indexes: dict[str, TokenIndex] = {}
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-grammar")
+        self.warmer = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-grammar-warm")
+        self.closed = False
 
     def compile(self, params: GuidedDecodingParams) -> Future:
         """Check the constraint now (ValueError) and compile it in the background."""
@@ -83,7 +86,7 @@ class StructuredOutputManager:
             regex = "(" + "|".join(re.escape(c) for c in params.choice) + ")"
         else:
             regex = params.regex
-        Parser(regex).parse()
+        parse(regex)
         return self.executor.submit(self.token_index, regex)
 
     def token_index(self, regex: str) -> TokenIndex:
@@ -93,6 +96,7 @@ class StructuredOutputManager:
         if index is None:
             index = TokenIndex(compile_regex(regex), self.vocab)
             index.bitmask(index.dfa.start)
+            self.warmer.submit(index.warm, lambda: self.closed or self.indexes.get(regex) is not index)
             if len(self.indexes) >= MAX_CACHED_GRAMMARS:
                 del self.indexes[next(iter(self.indexes))]   # the oldest
             self.indexes[regex] = index
@@ -121,4 +125,6 @@ class StructuredOutputManager:
             wait(compiling, timeout=0.05, return_when=FIRST_COMPLETED)
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.closed = True
+        for executor in (self.executor, self.warmer):
+            executor.shutdown(wait=False, cancel_futures=True)

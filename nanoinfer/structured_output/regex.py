@@ -6,8 +6,8 @@ with a set of accepting states. It runs over the UTF-8 *bytes* of the text, beca
 byte strings and a token may hold only part of a character.
 
 Three classic steps:
-1. parse the pattern into a tree: ("set", ranges of code points), ("cat", parts),
-   ("alt", options), ("repeat", part, min, max or None);
+1. parse the pattern (with Python's own parser, then into our tree: ("set", ranges of code
+   points), ("cat", parts), ("alt", options), ("repeat", part, min, max or None));
 2. Thompson's construction: the tree becomes an NFA whose edges carry byte ranges (a character set
    becomes the UTF-8 byte sequences of its code points: `utf8_ranges`) or nothing (epsilon);
 3. the subset construction: a DFA state is the set of NFA states the text so far can be in. Bytes
@@ -15,20 +15,25 @@ Three classic steps:
 Then states from which no accepting state can be reached become the dead state 0 (a text there can
 never match), and equivalent states are merged (Moore's partition refinement).
 
-Supported: literals, escapes (\\n \\t \\xhh \\uhhhh, \\. etc.), `.` (not a newline), classes
-and negated classes, \\d \\w \\s and their negations (ASCII, as `re.ASCII`), groups (`(...)`,
-`(?:...)`, `(?P<name>...)`), `|`, `? * +`, `{m}`, `{m,}`, `{m,n}` (a lazy `?` after them changes
-nothing for a full match), and `^`/`$` at the ends. Anything else is a ValueError naming it.
+Supported: everything that describes a regular language: literals and escapes, `.` (not a
+newline), classes and negated classes, \\d \\w \\s and their negations (ASCII, as `re.ASCII`),
+groups, `|`, `? * +`, `{m}`, `{m,}`, `{m,n}` (lazy or not: the same language for a full match),
+and `^`/`$` at the ends. Lookaround, backreferences, \\b, inline flags and possessive repeats are
+a ValueError naming them.
 """
 import re
 
 import numpy as np
 
+try:
+    from re import _parser as sre   # Python >= 3.11
+except ImportError:
+    import sre_parse as sre
+
 MAX_CHAR, SURROGATES = 0x10FFFF, (0xD800, 0xDFFF)
 MAX_STATES = 20000
-CLASSES = {"d": [(48, 57)], "w": [(48, 57), (65, 90), (95, 95), (97, 122)], "s": [(9, 13), (32, 32)]}
-REPEAT = re.compile(r"\{(\d*)(,?)(\d*)\}")
-ESCAPES = {"n": 10, "t": 9, "r": 13, "f": 12, "v": 11, "0": 0}
+UNSUPPORTED = {sre.ASSERT: "lookahead/lookbehind", sre.ASSERT_NOT: "negative lookaround",
+               sre.GROUPREF: "backreference", sre.GROUPREF_EXISTS: "conditional group", sre.AT: "anchor or \\b"}
 
 
 def complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -40,129 +45,61 @@ def complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out + ([(lo, MAX_CHAR)] if lo <= MAX_CHAR else [])
 
 
-class Parser:
-    def __init__(self, pattern: str):
-        self.p, self.i = pattern, 0
+DIGIT, WORD, SPACE = [(48, 57)], [(48, 57), (65, 90), (95, 95), (97, 122)], [(9, 13), (32, 32)]
+CATEGORIES = {sre.CATEGORY_DIGIT: DIGIT, sre.CATEGORY_NOT_DIGIT: complement(DIGIT), sre.CATEGORY_WORD: WORD,
+              sre.CATEGORY_NOT_WORD: complement(WORD), sre.CATEGORY_SPACE: SPACE,
+              sre.CATEGORY_NOT_SPACE: complement(SPACE)}
 
-    def error(self, what: str):
-        return ValueError(f"unsupported regex feature at position {self.i} of {self.p!r}: {what}")
 
-    def peek(self, n: int = 1) -> str:
-        return self.p[self.i:self.i + n]
+def parse(pattern: str):
+    """The pattern as a tree, read by Python's own regex parser (so the syntax is exactly `re`'s)."""
+    try:
+        parsed = sre.parse(pattern)
+    except re.error as e:
+        raise ValueError(f"bad regex {pattern!r}: {e}") from None
+    if parsed.state.flags & ~(re.UNICODE | re.ASCII):
+        raise ValueError(f"unsupported regex feature in {pattern!r}: inline flags such as (?i)")
+    items = list(parsed)
+    if items and items[0] == (sre.AT, sre.AT_BEGINNING):   # a full match anyway
+        items = items[1:]
+    if items and items[-1] in ((sre.AT, sre.AT_END), (sre.AT, sre.AT_END_STRING)):
+        items = items[:-1]
+    return tree(items, pattern)
 
-    def take(self) -> str:
-        self.i += 1
-        return self.p[self.i - 1]
 
-    def parse(self):
-        if self.peek() == "^":
-            self.i += 1
-        node = self.alternation()
-        if self.i < len(self.p):
-            raise self.error("unbalanced ')'") if self.peek() == ")" else self.error(repr(self.peek()))
-        return node
+def tree(items, pattern: str):
+    parts = []
+    for op, arg in items:
+        if op == sre.LITERAL:
+            parts.append(("set", [(arg, arg)]))
+        elif op == sre.NOT_LITERAL:
+            parts.append(("set", complement([(arg, arg)])))
+        elif op == sre.ANY:
+            parts.append(("set", [(0, 9), (11, MAX_CHAR)]))
+        elif op == sre.IN:
+            parts.append(("set", char_class(arg)))
+        elif op == sre.BRANCH:
+            parts.append(("alt", [tree(branch, pattern) for branch in arg[1]]))
+        elif op == sre.SUBPATTERN and not (arg[1] or arg[2]):   # (a group without flags)
+            parts.append(tree(arg[3], pattern))
+        elif op in (sre.MAX_REPEAT, sre.MIN_REPEAT):   # (lazy or not: the same language)
+            parts.append(("repeat", tree(arg[2], pattern), arg[0], None if arg[1] == sre.MAXREPEAT else arg[1]))
+        else:
+            raise ValueError(f"unsupported regex feature in {pattern!r}: {UNSUPPORTED.get(op, str(op).lower())}")
+    return ("cat", parts)
 
-    def alternation(self):
-        options = [self.sequence()]
-        while self.peek() == "|":
-            self.i += 1
-            options.append(self.sequence())
-        return options[0] if len(options) == 1 else ("alt", options)
 
-    def sequence(self):
-        parts = []
-        while self.i < len(self.p) and self.peek() not in "|)":
-            if self.peek() == "$" and self.i == len(self.p) - 1:
-                self.i += 1
-                break
-            parts.append(self.quantified(self.atom()))
-        return ("cat", parts)
-
-    def quantified(self, node):
-        while self.peek() and self.peek() in "?*+{":
-            if self.peek() == "{":
-                m = REPEAT.match(self.p, self.i)
-                if m is None:   # not a repeat: a literal '{', as in Python
-                    break
-                self.i = m.end()
-                lo, comma, hi = m.groups()
-                bounds = (int(lo or 0), int(hi) if hi else (None if comma else int(lo)))
-                if bounds[1] is not None and bounds[1] < bounds[0]:
-                    raise self.error(f"repeat {m.group()} with max < min")
-            else:
-                bounds = {"?": (0, 1), "*": (0, None), "+": (1, None)}[self.take()]
-            if self.peek() == "?":   # lazy: the same language
-                self.i += 1
-            elif self.peek() == "+":
-                raise self.error("possessive quantifier")
-            node = ("repeat", node, *bounds)
-        return node
-
-    def atom(self):
-        c = self.take()
-        if c == "(":
-            if self.peek() == "?":
-                if self.peek(2) == "?:":
-                    self.i += 2
-                elif self.peek(3) == "?P<" and ">" in self.p[self.i:]:
-                    self.i = self.p.index(">", self.i) + 1
-                else:
-                    raise self.error(f"group '(?{self.p[self.i + 1:self.i + 2]}' (lookaround, flags, ...)")
-            node = self.alternation()
-            if self.peek() != ")":
-                raise self.error("missing ')'")
-            self.i += 1
-            return node
-        if c == "[":
-            return ("set", self.char_class())
-        if c == ".":
-            return ("set", [(0, 9), (11, MAX_CHAR)])
-        if c == "\\":
-            return ("set", self.escape())
-        if c in "*+?" or (c == "{" and REPEAT.match(self.p, self.i - 1)):
-            raise self.error(f"nothing to repeat before {c!r}")
-        if c in "^$":
-            raise self.error(f"anchor {c!r} inside the pattern")
-        return ("set", [(ord(c), ord(c))])
-
-    def escape(self) -> list[tuple[int, int]]:
-        c = self.take() if self.i < len(self.p) else ""
-        if c.lower() in CLASSES:
-            return CLASSES[c] if c.islower() else complement(CLASSES[c.lower()])
-        if c in ESCAPES:
-            return [(ESCAPES[c], ESCAPES[c])]
-        if c in "xu":
-            digits = self.p[self.i:self.i + (2 if c == "x" else 4)]
-            if len(digits) != (2 if c == "x" else 4) or any(d not in "0123456789abcdefABCDEF" for d in digits):
-                raise self.error(f"bad \\{c} escape")
-            self.i += len(digits)
-            return [(int(digits, 16), int(digits, 16))]
-        if c and not c.isalnum():
-            return [(ord(c), ord(c))]
-        raise self.error(f"escape '\\{c}' (backreferences, \\b, \\A, ...)")
-
-    def char_class(self) -> list[tuple[int, int]]:
-        negate = self.peek() == "^"
-        self.i += negate
-        ranges, first = [], True
-        while first or self.peek() != "]":
-            if self.i >= len(self.p):
-                raise self.error("missing ']'")
-            first = False
-            c = self.take()
-            if c == "[" and self.peek() == ":":
-                raise self.error("POSIX class [:...:]")
-            item = self.escape() if c == "\\" else [(ord(c), ord(c))]
-            if self.peek() == "-" and self.peek(2)[1:] not in ("]", "") and item[0][0] == item[-1][1]:
-                self.i += 1
-                c2 = self.take()
-                hi = self.escape() if c2 == "\\" else [(ord(c2), ord(c2))]
-                if len(hi) != 1 or hi[0][0] != hi[0][1] or hi[0][0] < item[0][0]:
-                    raise self.error("bad range in a class")
-                item = [(item[0][0], hi[0][0])]
-            ranges += item
-        self.i += 1
-        return complement(ranges) if negate else ranges
+def char_class(items) -> list[tuple[int, int]]:
+    """The code point ranges of a class: \\d, \\w and \\s are ASCII's (as with re.ASCII)."""
+    ranges = []
+    for op, arg in items:
+        if op == sre.LITERAL:
+            ranges.append((arg, arg))
+        elif op == sre.RANGE:
+            ranges.append(arg)
+        elif op == sre.CATEGORY:
+            ranges += CATEGORIES[arg]
+    return complement(ranges) if items and items[0][0] == sre.NEGATE else ranges
 
 
 def utf8_ranges(lo: int, hi: int) -> list[list[tuple[int, int]]]:
@@ -252,7 +189,7 @@ class DFA:
 
 def compile_regex(pattern: str) -> DFA:
     nfa = NFA()
-    accept = nfa.build(Parser(pattern).parse(), nfa.state())
+    accept = nfa.build(parse(pattern), nfa.state())
     cuts = sorted({0, 256} | {x for edges in nfa.edges for lo, hi, _ in edges for x in (lo, hi + 1)})
     byte_class = np.searchsorted(cuts, np.arange(256), side="right").astype(np.int32) - 1
     moves = [{} for _ in nfa.edges]   # per NFA state: byte class -> targets

@@ -10,13 +10,16 @@ allows EOS alone. (A vocabulary without every single byte as a token can leave a
 token leaves: there EOS is allowed, ending the request rather than breaking the constraint.)
 
 The result is a bitmask, 32 tokens to an int32 word (bit t % 32 of word t // 32 is token t),
-what the sampler receives; it is computed the first time a state is reached and kept.
+what the sampler receives. A background thread computes every reachable state's bitmask after
+the grammar compiles, nearest states first; a state reached before that is computed on the spot.
 
 The vocabulary's bytes: byte-level BPE tokens (GPT-2, Llama 3, Qwen, SmolLM) spell bytes with
 printable stand-in characters, which map back; SentencePiece tokens spell a space as '▁' and raw
 bytes as `<0xAB>`. Special tokens have no bytes and are never allowed (EOS aside).
 """
 import re
+from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -76,32 +79,50 @@ class TokenIndex:
         self.dfa, self.vocab = dfa, vocab
         self.masks: dict[int, np.ndarray] = {}
 
-    def allowed(self, state: int) -> np.ndarray:
-        """Bool [vocab size]: the tokens allowed in `state`."""
+    def next_states(self, state: int) -> np.ndarray:
+        """int32 [vocab size]: the state each token leads to from `state` (0: it is not allowed)."""
         vocab, table, byte_class = self.vocab, self.dfa.table, self.dfa.byte_class
-        allowed = np.zeros(vocab.size, np.bool_)
+        ends = np.zeros(vocab.size, np.int32)
         rows = np.arange(len(vocab.ids))
         states = np.full(len(rows), state, np.int32)
         for j in range(vocab.matrix.shape[1]):
             states = table[states, byte_class[vocab.matrix[rows, j]]]
             ended = vocab.lengths[rows] == j + 1
-            allowed[vocab.ids[rows[ended]]] = states[ended] != 0
+            ends[vocab.ids[rows[ended]]] = states[ended]
             keep = ~ended & (states != 0)
             rows, states = rows[keep], states[keep]
             if not len(rows):
                 break
+        return ends
+
+    def allowed(self, state: int, ends: np.ndarray | None = None) -> np.ndarray:
+        """Bool [vocab size]: the tokens allowed in `state`."""
+        allowed = (self.next_states(state) if ends is None else ends) != 0
         if state == 0 or self.dfa.accepting[state] or not allowed.any():
             allowed[self.vocab.eos_token_ids] = True   # (0: after an EOS that ignore_eos let pass; a state
         return allowed                                 # no token leaves, in a vocabulary without all bytes)
 
-    def bitmask(self, state: int) -> np.ndarray:
+    def bitmask(self, state: int, ends: np.ndarray | None = None) -> np.ndarray:
         """int32 [words]: bit t % 32 of word t // 32 set if token t is allowed."""
         mask = self.masks.get(state)
         if mask is None:
             bits = np.zeros(self.vocab.num_words * 32, np.bool_)
-            bits[:self.vocab.size] = self.allowed(state)
+            bits[:self.vocab.size] = self.allowed(state, ends)
             mask = self.masks[state] = np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
         return mask
+
+    def warm(self, stop: Callable[[], bool]) -> None:
+        """Every reachable state's bitmask, the nearest first (in a background thread, so that
+        requests find their states ready)."""
+        todo, seen = deque([self.dfa.start]), {self.dfa.start}
+        while todo and not stop():
+            state = todo.popleft()
+            ends = self.next_states(state)
+            self.bitmask(state, ends)
+            for target in np.unique(ends[ends != 0]).tolist():
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
 
     def advance(self, state: int, token_id: int) -> int:
         """The state after `token_id` (EOS and tokens without bytes lead to the dead state 0)."""
