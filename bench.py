@@ -28,15 +28,20 @@ shape repeat itself (every layer's output projections zeroed: a token's successo
 on that token alone, and with tied embeddings is the token itself), so that drafts are accepted
 while every kernel costs what it did: the speed of verification at near-full acceptance.
 
+Structured output: `--guided-json [FILE]` makes every request follow a JSON schema (bench.py's
+typical one without FILE); `--tokenizer DIR` gives a random-weight shape a real tokenizer.
+
 On a machine without CUDA it scales itself down (a few short prompts) so it ends in about a
 minute, and says so; the roofline is only printed on a GPU.
 """
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
 import pickle
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -45,7 +50,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from nanoinfer import LLM, SamplingParams
+from nanoinfer import LLM, GuidedDecodingParams, SamplingParams
 from nanoinfer.engine.model_runner import AsyncModelRunnerOutput, ModelRunner
 from nanoinfer.executor.multiproc_executor import FutureOutput
 from nanoinfer.sampling_params import RequestOutputKind
@@ -58,6 +63,13 @@ QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden
 QWEN3_8B = dict(QWEN3_0_6B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 tie_word_embeddings=False)
 MODEL_SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B}
+TYPICAL_SCHEMA = {"type": "object", "properties": {   # for --guided-json: mixed types, nesting, an array
+    "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 40}, "email": {"type": "string"},
+    "active": {"type": "boolean"}, "score": {"type": "number"}, "role": {"enum": ["admin", "user", "guest"]},
+    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+    "address": {"type": "object", "properties": {"city": {"type": "string"},
+                                                 "zip": {"type": "string", "pattern": "[0-9]{5}"}},
+                "required": ["city"]}}, "required": ["id", "name", "email", "active"]}
 
 
 def workload(num_seqs: int, max_input_len: int, max_output_len: int):
@@ -357,6 +369,9 @@ def main():
     parser.add_argument("--force-repeat", action="store_true", help="a random-weight shape that repeats itself")
     parser.add_argument("--workload", choices=["random", "copy"], default="random",
                         help="copy: prompts asking a real model (--model) to rewrite a passage")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder for a random-weight shape")
+    parser.add_argument("--guided-json", nargs="?", const="", default=None,
+                        help="every request follows a JSON schema: this file's, or (no value) a typical one")
     args = parser.parse_args()
     if args.runs is None:
         args.runs = 3 if torch.cuda.is_available() else 1
@@ -382,7 +397,10 @@ def main():
         model = tempfile.mkdtemp(prefix="nanoinfer-bench-")
         with open(os.path.join(model, "config.json"), "w") as f:
             json.dump(MODEL_SHAPES[args.model_shape], f)
-        kwargs.update(load_format="dummy", skip_tokenizer_init=True)
+        kwargs.update(load_format="dummy", skip_tokenizer_init=args.tokenizer is None)
+        for name in os.listdir(args.tokenizer) if args.tokenizer else ():
+            if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+                shutil.copy(os.path.join(args.tokenizer, name), model)
     if args.mode == "latency":   # (copy prompts are about 180 tokens)
         kwargs["max_model_len"] = max(args.input_len, 512 if args.workload == "copy" else 0) + args.output_len
     bandwidth = peak = gpu_name = None
@@ -406,6 +424,13 @@ def main():
     if args.workload == "copy":   # greedy, as rewriting usually is
         prompts = copy_prompts(llm.get_tokenizer(), args.num_seqs, 0)
         params = [SamplingParams(temperature=0, max_tokens=p.max_tokens) for p in params]   # ends at EOS
+    if args.guided_json is not None:   # (with ignore_eos a finished grammar allows EOS alone: same lengths)
+        schema = TYPICAL_SCHEMA
+        if args.guided_json:
+            with open(args.guided_json) as f:
+                schema = json.load(f)
+        guided = GuidedDecodingParams(json=schema)
+        params = [dataclasses.replace(p, guided_decoding=guided) for p in params]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
     output_lens = [p.max_tokens for p in params]
     if args.workload == "copy":   # the tokens a run makes (greedy: the same in every run)
