@@ -45,7 +45,8 @@ def test_dfa_agrees_with_re(pattern):
 @pytest.mark.parametrize("pattern, message", [
     ("a(?=b)", "lookahead"), ("a(?!b)", "lookaround"), (r"(a)\1", "backreference"), (r"\bx", r"\\b"),
     ("(?i)a", "inline flags"), ("a++", "possessive"), ("(ab", "bad regex"), ("ab)", "bad regex"),
-    ("a{3,1}", "bad regex"), ("a^b", "anchor"), ("*a", "nothing to repeat"), ("[^\\x00-\\U0010ffff]", "matches nothing")])
+    ("a{3,1}", "bad regex"), ("a^b", "anchor"), ("*a", "nothing to repeat"), ("[^\\x00-\\U0010ffff]", "matches nothing"),
+    ("a{4000000000}", "too large"), ("(a{1000}){1000}", "too large")])
 def test_unsupported_regex(pattern, message):
     with pytest.raises(ValueError, match=message):
         compile_regex(pattern)
@@ -68,7 +69,8 @@ def walk_dfa(dfa, rng: np.random.Generator, stop: float = 0.3) -> str:
     ({"anyOf": [{"type": "string", "minLength": 2}, {"type": "integer"}]}, ["ab\"", 0]),
     ({}, [{"a": [1, "x"], "b": None}, [], "s", 1.5]),   # any JSON, two levels deep
     ({"type": "object", "properties": {k: {"type": "integer"} for k in "abc"}}, [{}, {"b": 1}, {"a": 1, "c": 2}]),
-    ({"type": "array", "items": {"type": "boolean"}, "minItems": 3}, [[True] * 3, [False] * 5])])
+    ({"type": "array", "items": {"type": "boolean"}, "minItems": 3}, [[True] * 3, [False] * 5]),
+    ({"type": "string", "pattern": "^(cat|dog).*$"}, ["cat", "dogs é"])])   # (quotes stay outside)
 def test_json_schema_language(schema, examples):
     """Every text of the schema's language parses and validates; valid JSON, compact or with a space
     after ':' and ',', matches."""
@@ -84,10 +86,21 @@ def test_json_schema_language(schema, examples):
     ({"type": "integer", "minimum": 3}, "keyword 'minimum'"), ({"type": "date"}, "type 'date'"),
     ({"type": "object", "additionalProperties": True}, "additionalProperties"),
     ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "recursive"),
-    ({"type": "object", "required": ["x"]}, "required property 'x'"), ("{not json", "not valid JSON")])
+    ({"type": "object", "required": ["x"]}, "required property 'x'"), ("{not json", "not valid JSON"),
+    ({"enum": []}, "empty list"), ({"type": "array", "minItems": 3, "maxItems": 1}, "maxItems < minItems"),
+    ({"type": "string", "pattern": "a", "maxLength": 3}, "together")])
 def test_unsupported_schema(schema, message):
     with pytest.raises(ValueError, match=message):
         json_schema_to_regex(schema)
+
+
+def test_a_huge_repeat_is_refused_when_added(llama_dir):
+    """Checked before anything is built: it never reaches the compile thread."""
+    llm = LLM(llama_dir, max_model_len=256)
+    with pytest.raises(ValueError, match="too large"):
+        llm.llm_engine.add_request("r", [5, 6], SamplingParams(
+            guided_decoding=GuidedDecodingParams(json={"type": "array", "maxItems": 10**9})))
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_token_walk_over_partial_characters():

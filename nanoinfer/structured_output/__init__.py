@@ -30,7 +30,7 @@ from nanoinfer.structured_output.json_schema import json_schema_to_regex
 from nanoinfer.structured_output.regex import compile_regex, parse
 from nanoinfer.structured_output.token_index import TokenIndex, Vocabulary, vocabulary_bytes
 
-MAX_CACHED_GRAMMARS = 64
+MAX_CACHED_GRAMMARS = 32
 
 
 class Grammar:

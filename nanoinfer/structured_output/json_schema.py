@@ -9,11 +9,15 @@ Supported keywords: `type` (one or a list), `properties`, `required`, `additiona
 false` (the only behaviour: no other properties), `items`, `minItems`, `maxItems`, `enum`,
 `const`, `pattern`, `minLength`, `maxLength`, `anyOf`, `$ref` to `#/$defs/...` (or
 `#/definitions/...`), and the annotations (`title`, `description`, ...), which are ignored. A
-schema of no type (`{}`) is any JSON value nested at most `ANY_DEPTH` deep. Anything else is a
-ValueError naming the keyword.
+schema of no type (`{}`) is any JSON value nested at most `ANY_DEPTH` deep. A string `pattern`
+is taken as a full match (which then also matches as JSON Schema's search), its text without
+the characters JSON must escape. Anything else is a ValueError naming the keyword.
 """
 import json
+import math
 import re
+
+from nanoinfer.structured_output.regex import parse, to_regex
 
 WS = "[ ]?"
 STRING_CHAR = r'([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
@@ -26,6 +30,7 @@ ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", 
 KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
             "enum", "const", "pattern", "minLength", "maxLength", "anyOf", "$ref"}
 ANY_DEPTH = 2
+NOT_RAW_IN_STRINGS = [(0, 0x1F), (ord('"'), ord('"')), (ord("\\"), ord("\\"))]   # JSON escapes these
 
 
 def literal(value) -> str:
@@ -67,6 +72,9 @@ class SchemaCompiler:
             raise ValueError("unsupported JSON schema keyword 'additionalProperties' other than false")
         if "$ref" in schema:
             return self.ref(schema["$ref"])
+        for key in ("enum", "anyOf", "type"):
+            if schema.get(key) == []:
+                raise ValueError(f"JSON schema keyword {key!r} with an empty list: nothing would match")
         if "const" in schema:
             return literal(schema["const"])
         if "enum" in schema:
@@ -85,9 +93,13 @@ class SchemaCompiler:
             return self.object(schema)
         if type_ == "array":
             items = self.compile(schema.get("items", {}))
+            if schema.get("maxItems", math.inf) < schema.get("minItems", 0):
+                raise ValueError("JSON schema with maxItems < minItems: nothing would match")
             return rf"\[{repeat(items, schema.get('minItems', 0), schema.get('maxItems'))}\]"
-        if type_ == "string" and "pattern" in schema:
-            return '"' + schema["pattern"].removeprefix("^").removesuffix("$") + '"'
+        if type_ == "string" and "pattern" in schema:   # taken as a full match (it then matches)
+            if "minLength" in schema or "maxLength" in schema:
+                raise ValueError("unsupported JSON schema: 'pattern' together with 'minLength'/'maxLength'")
+            return '"' + to_regex(parse(schema["pattern"]), NOT_RAW_IN_STRINGS) + '"'
         if type_ == "string" and ("minLength" in schema or "maxLength" in schema):
             hi = schema.get("maxLength", "")
             return f'"{STRING_CHAR}{{{schema.get("minLength", 0)},{hi}}}"'

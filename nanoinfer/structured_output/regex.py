@@ -19,7 +19,9 @@ Supported: everything that describes a regular language: literals and escapes, `
 newline), classes and negated classes, \\d \\w \\s and their negations (ASCII, as `re.ASCII`),
 groups, `|`, `? * +`, `{m}`, `{m,}`, `{m,n}` (lazy or not: the same language for a full match),
 and `^`/`$` at the ends. Lookaround, backreferences, \\b, inline flags and possessive repeats are
-a ValueError naming them.
+a ValueError naming them, and so is a pattern whose repeats unroll into more than `MAX_SIZE`
+parts (checked when it is parsed, before anything is built) or whose DFA has more than
+`MAX_STATES` states.
 """
 import re
 
@@ -31,7 +33,7 @@ except ImportError:
     import sre_parse as sre
 
 MAX_CHAR, SURROGATES = 0x10FFFF, (0xD800, 0xDFFF)
-MAX_STATES = 20000
+MAX_STATES, MAX_SIZE = 20000, 50000
 UNSUPPORTED = {sre.ASSERT: "lookahead/lookbehind", sre.ASSERT_NOT: "negative lookaround",
                sre.GROUPREF: "backreference", sre.GROUPREF_EXISTS: "conditional group", sre.AT: "anchor or \\b"}
 
@@ -64,7 +66,28 @@ def parse(pattern: str):
         items = items[1:]
     if items and items[-1] in ((sre.AT, sre.AT_END), (sre.AT, sre.AT_END_STRING)):
         items = items[:-1]
-    return tree(items, pattern)
+    node = tree(items, pattern)
+    if size(node) > MAX_SIZE:   # checked before anything is built: a repeat is unrolled
+        raise ValueError(f"the regex {pattern[:80]!r} is too large: its repeats unroll to over {MAX_SIZE} parts")
+    return node
+
+
+def size(node) -> int:
+    if node[0] == "set":
+        return 1
+    if node[0] != "repeat":
+        return 1 + sum(map(size, node[1]))
+    return 1 + size(node[1]) * max(node[2], node[3] or 0, 1)
+
+
+def to_regex(node, excluded: list[tuple[int, int]] = ()) -> str:
+    """A tree written back as a regex, its sets without the code points `excluded`."""
+    if node[0] == "set":
+        ranges = complement(complement(node[1]) + list(excluded))
+        return "[" + "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in ranges) + "]" if ranges else "[^\\x00-\\U0010ffff]"
+    if node[0] != "repeat":
+        return "(?:" + ("" if node[0] == "cat" else "|").join(to_regex(p, excluded) for p in node[1]) + ")"
+    return f"(?:{to_regex(node[1], excluded)}){{{node[2]},{'' if node[3] is None else node[3]}}}"
 
 
 def tree(items, pattern: str):

@@ -111,11 +111,11 @@ class TokenIndex:
             mask = self.masks[state] = np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
         return mask
 
-    def warm(self, stop: Callable[[], bool]) -> None:
-        """Every reachable state's bitmask, the nearest first (in a background thread, so that
-        requests find their states ready)."""
+    def warm(self, stop: Callable[[], bool], max_states: int = 256) -> None:
+        """The bitmasks of the states nearest the start, up to `max_states` (in a background
+        thread, so that requests find their states ready)."""
         todo, seen = deque([self.dfa.start]), {self.dfa.start}
-        while todo and not stop():
+        while todo and len(self.masks) < max_states and not stop():
             state = todo.popleft()
             ends = self.next_states(state)
             self.bitmask(state, ends)
