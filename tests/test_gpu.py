@@ -83,6 +83,16 @@ def test_sampling_kernel_at_real_vocab():
     assert torch.allclose(torch.bincount(draws, minlength=151936)[top].float() / rows, probs[top], atol=0.03)
 
 
+def test_bitmask_kernel_at_real_vocab():
+    from nanoinfer.kernels.bitmask import apply_token_bitmask, apply_token_bitmask_torch
+    logits = torch.randn(64, 151936, device="cuda", dtype=torch.bfloat16)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (64, 4748), device="cuda", dtype=torch.int64).to(torch.int32)
+    want, got = logits.clone(), logits.clone()
+    apply_token_bitmask_torch(want, bitmask)
+    apply_token_bitmask(got, bitmask)
+    assert torch.equal(want, got)
+
+
 def test_seeded_sampling_on_gpu(llama_dir):
     llm = LLM(llama_dir, max_model_len=256, max_num_seqs=64)
     prompts = random_prompts([9, 21, 14], seed=6)

@@ -5,7 +5,6 @@ import json
 import random
 import re
 
-import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -15,6 +14,8 @@ from nanoinfer import LLM, GuidedDecodingParams, SamplingParams
 from nanoinfer.structured_output.json_schema import json_schema_to_regex
 from nanoinfer.structured_output.regex import compile_regex
 from nanoinfer.structured_output.token_index import TokenIndex, Vocabulary, vocabulary_bytes
+
+jsonschema = pytest.importorskip("jsonschema")   # (in the test extra; a GPU machine may lack it)
 
 PATTERNS = [r"abc", r"a|b|", r"(ab)*c?", r"[a-c]{2,4}x", r"\d+(\.\d+)?", r'[^"\\]*', r"(a|ab)(c|bcd)(d*)",
             r"héllo|日本+", r".{0,3}z", r"\w+@\w+\.(com|org)", r"[\u00e0-\u00ff]+é?", r"(?:ab|cd){1,3}$",
