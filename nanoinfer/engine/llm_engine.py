@@ -99,8 +99,9 @@ class LLMEngine:
         compiled = None if params.guided_decoding is None else self.structured_output.compile(params.guided_decoding)
         seqs = [Sequence(next(self.seq_counter), token_ids, p, max_tokens, self.config.block_size)
                 for p in children]
-        for seq in seqs if compiled is not None else ():
-            seq.grammar = Grammar(compiled)
+        if compiled is not None:   # each sample its own state in the one compiled grammar
+            for seq in seqs:
+                seq.grammar = Grammar(compiled)
         self.output_processor.add_request(request_id, text, token_ids, children, [s.seq_id for s in seqs])
         for seq in seqs:
             self.scheduler.add(seq)
@@ -214,9 +215,7 @@ class LLMEngine:
         self.model_executor.execute_model(sched)
         core_outputs, self.scheduler.unstepped_outputs = self.scheduler.unstepped_outputs, []
         grammar = None
-        if self.scheduler.num_guided and any(self.scheduler.requests[s].grammar is not None
-                                             for s in sched.num_scheduled_tokens if s in self.scheduler.requests):
-            # their grammars' states must have seen the tokens of the step in flight
+        if self.scheduler.has_guided(sched):   # their states must have seen the step in flight's tokens
             while self.in_flight:
                 core_outputs += self.scheduler.update_from_output(self.in_flight.popleft().get_output())
             grammar = self.structured_output.grammar_bitmask(self.scheduler.requests, sched)

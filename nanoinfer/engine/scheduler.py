@@ -171,6 +171,11 @@ class Scheduler:
         if seq.num_computed_tokens // bs > (seq.num_computed_tokens - num_new) // bs:   # a block filled up
             self.block_manager.cache_full_blocks(seq)
 
+    def has_guided(self, sched: SchedulerOutput) -> bool:
+        """Does the step hold a sequence with a grammar? (No scan while none is live.)"""
+        return bool(self.num_guided) and any(self.requests[s].grammar is not None
+                                             for s in sched.num_scheduled_tokens if s in self.requests)
+
     def grammar_ready(self, seq: Sequence) -> bool:
         """Is `seq`'s grammar compiled? A grammar that failed to compile finishes it ("abort")."""
         try:
