@@ -86,10 +86,11 @@ def test_sampling_kernel_at_real_vocab():
 def test_bitmask_kernel_at_real_vocab():
     from nanoinfer.kernels.bitmask import apply_token_bitmask, apply_token_bitmask_torch
     logits = torch.randn(64, 151936, device="cuda", dtype=torch.bfloat16)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (64, 4748), device="cuda", dtype=torch.int64).to(torch.int32)
+    masks = torch.randint(-2**31, 2**31 - 1, (300, 4748), device="cuda", dtype=torch.int64).to(torch.int32)
+    rows = torch.randint(0, 300, (64,), device="cuda", dtype=torch.int32)
     want, got = logits.clone(), logits.clone()
-    apply_token_bitmask_torch(want, bitmask)
-    apply_token_bitmask(got, bitmask)
+    apply_token_bitmask_torch(want, masks, rows)
+    apply_token_bitmask(got, masks, rows)
     assert torch.equal(want, got)
 
 

@@ -77,6 +77,17 @@ def test_detokenization_across_multibyte_characters():
     assert detok.output_text == text
 
 
+def test_tokens_without_text_do_not_grow_the_window():
+    """A long run of skipped special tokens (EOS with ignore_eos) leaves the decoded window short."""
+    tokenizer = make_tokenizer()
+    eos = tokenizer.eos_token_id
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("The"), SamplingParams())
+    for token in tokenizer.encode(" end") + [eos] * 50 + tokenizer.encode(" ça"):
+        detok.update([token], finished=False)
+        assert len(detok.token_ids) - detok.prefix_offset < 8
+    assert detok.output_text == " end ça"
+
+
 def stream(llm: LLM, params: SamplingParams) -> list[str]:
     """The texts a DELTA stream returns, step by step, joined up to each step."""
     engine, texts = llm.llm_engine, [""]

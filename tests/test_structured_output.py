@@ -146,13 +146,15 @@ def test_bitmask_kernel_matches_torch():
     from nanoinfer.kernels.bitmask import apply_token_bitmask_torch, apply_token_bitmask_triton
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 1000, generator=gen)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (5, 32), generator=gen, dtype=torch.int64).to(torch.int32)
+    masks = torch.randint(-2**31, 2**31 - 1, (4, 32), generator=gen, dtype=torch.int64).to(torch.int32)
+    rows = torch.tensor([3, 0, 1, 3, 2], dtype=torch.int32)
     want, got = logits.clone(), logits.clone()
-    apply_token_bitmask_torch(want, bitmask)
-    apply_token_bitmask_triton(got, bitmask, block=128)
+    apply_token_bitmask_torch(want, masks, rows)
+    apply_token_bitmask_triton(got, masks, rows, block=128)
     assert torch.equal(want, got) and want.isinf().any() and not want.isinf().all()
     t = 777
-    assert want[2, t].isinf() == (not (int(bitmask[2, t // 32]) >> (t % 32)) & 1)
+    assert want[2, t].isinf() == (not (int(masks[1, t // 32]) >> (t % 32)) & 1)
+    assert torch.equal(want[0].isinf(), want[3].isinf())
 
 
 REGEXES = [r"[a-z]{3,6}( [a-z]{2,5}){0,3}", r"(0|[1-9][0-9]{0,3})(\.[0-9]{1,2})?", r"[^ ]{2}é?\d"]
@@ -201,6 +203,20 @@ def test_engine_keeps_outputs_in_their_language(llama_dir, settings):
         assert llm.llm_engine.scheduler.num_preemptions > 0
     bm = llm.llm_engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_the_mask_table_starts_again_when_full(llama_dir, monkeypatch):
+    """The device keeps a row per (grammar, state); when the rows run out it starts again. The
+    tokens are the same as with room for every state."""
+    import nanoinfer.structured_output as so
+    prompts, params = guided_requests()
+    roomy = LLM(llama_dir, max_model_len=256)
+    want = roomy.generate(prompts, params, use_tqdm=False)
+    assert len(roomy.llm_engine.structured_output.rows) > 20
+    monkeypatch.setattr(so, "MAX_MASK_ROWS", 6)   # less than a step's rows: the table grows too
+    got = LLM(llama_dir, max_model_len=256).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert check_outputs(got, params) >= 6
 
 
 def test_guided_with_speculative_decoding(llama_dir):

@@ -4,7 +4,8 @@ Decoding one token at a time is wrong: a character's UTF-8 bytes may span severa
 tokens, and some tokenizers change a token's text depending on its neighbours (leading
 spaces). So each step decodes a short window of recent tokens twice, with and without the new
 ones, and emits the difference. While the window ends in an incomplete character (decoded as
-U+FFFD) nothing is emitted and the window grows until the character is complete.
+U+FFFD) nothing is emitted and the window grows until the character is complete. Tokens that
+add no text at all (special tokens, skipped) are dropped from the window.
 
 Stop strings are searched only in the tail that the new text could have completed; the output
 is cut just before the stop string (just after it with `include_stop_str_in_output`).
@@ -37,6 +38,9 @@ class IncrementalDetokenizer:
         self.num_output_tokens += len(new_token_ids)
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset:])
+        if new_text == prefix_text:   # they add no text (skipped special tokens): forget them, or the
+            del self.token_ids[self.read_offset:]   # window would grow with each (EOS with ignore_eos)
+            return None
         if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not finished):
             return None
         delta = new_text[len(prefix_text):]

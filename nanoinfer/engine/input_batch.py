@@ -92,6 +92,7 @@ class InputBatch:
         self.sampling = np.zeros(max_num_reqs, SAMPLING_FIELDS)
         self.stop_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]   # blocked before min_tokens
         self.rng = np.random.default_rng(seed)   # the seeds of unseeded requests' draws
+        self.grammar_masks: torch.Tensor | None = None   # the structured-output masks (row 0: all allowed)
         self.clear()
 
     def clear(self) -> None:
@@ -203,6 +204,7 @@ class InputBatch:
         for k in np.flatnonzero(s["seeded"]):
             seeds[k] = token_seed(int(s["seed"][k]), int(index[k]))
         blocked = [(k, t) for k in np.flatnonzero(index < s["min_tokens"]) for t in self.stop_ids[rows[k]]]
+        grammar_rows = None if grammar is None else self.grammar_rows(step, grammar)
         temperatures, top_ps, min_ps = self.to_device(np.float32, s["temperature"], s["top_p"], s["min_p"])
         seeds, top_ks, blocked_t = self.to_device(np.int64, seeds, s["top_k"], np.reshape(blocked, (-1, 2)))
         return SamplingMetadata(   # a mask no row uses is left out
@@ -211,16 +213,25 @@ class InputBatch:
             min_ps=None if (s["min_p"] == 0).all() else min_ps, seeds=seeds, all_greedy=bool((s["temperature"] == 0).all()),
             max_num_logprobs=int(s["logprobs"].max()) if (s["logprobs"] >= 0).any() else None,
             blocked_token_ids=tuple(blocked_t.T) if blocked else None, penalties=self.penalties(step, s),
-            grammar_bitmask=None if grammar is None else self.grammar_bitmask(step, grammar))
+            grammar_masks=None if grammar is None else self.grammar_masks, grammar_rows=grammar_rows)
 
-    def grammar_bitmask(self, step: StepInputs, grammar: GrammarOutput) -> torch.Tensor:
-        """The step's bitmask, a row per sample row: the constrained requests' rows, all ones elsewhere."""
+    def grammar_rows(self, step: StepInputs, grammar: GrammarOutput) -> torch.Tensor:
+        """Write the new masks into the table; each sample row's mask row (0 if unconstrained)."""
+        if grammar.new_rows:
+            rows_needed = max(grammar.new_rows) + 1
+            if self.grammar_masks is None or len(self.grammar_masks) < rows_needed:   # grow it
+                table = torch.full((2 * rows_needed, grammar.new_masks.shape[1]), -1, dtype=torch.int32,
+                                   device=self.device)
+                if self.grammar_masks is not None:
+                    table[:len(self.grammar_masks)] = self.grammar_masks
+                self.grammar_masks = table
+            new_rows, new_masks = self.to_device(np.int32, grammar.new_rows, grammar.new_masks)
+            self.grammar_masks[new_rows] = new_masks
         per_request = step.rows_per_request or [1] * len(step.sample_seq_ids)
         first_row = dict(zip(step.sample_seq_ids, itertools.accumulate(per_request, initial=0)))
-        rows = np.concatenate([np.arange(first_row[s], first_row[s] + n) for s, n in zip(grammar.seq_ids, grammar.num_rows)])
-        bitmask = np.full((len(step.sample_rows), grammar.bitmask.shape[1]), -1, np.int32)
-        bitmask[rows] = grammar.bitmask
-        return self.to_device(np.int32, bitmask)[0]
+        rows = np.zeros(len(step.sample_rows), np.int32)
+        rows[[first_row[s] + i for s, n in zip(grammar.seq_ids, grammar.num_rows) for i in range(n)]] = grammar.mask_rows
+        return self.to_device(np.int32, rows)[0]
 
     def penalties(self, step: StepInputs, s: np.ndarray) -> Penalties | None:
         """Each penalised row's tokens so far. The last one may still be in flight on the host,

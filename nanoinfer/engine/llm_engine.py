@@ -208,7 +208,8 @@ class LLMEngine:
         self.in_flight.clear()
         self.abort_request(list(self.output_processor.requests))
         self.scheduler.block_manager.reset_prefix_cache()
-        self.model_executor.reset()   # it may have missed the step's message
+        self.model_executor.reset()   # it may have missed the step's message ...
+        self.structured_output.rows.clear()   # ... and the masks in it
 
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()

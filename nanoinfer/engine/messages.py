@@ -19,6 +19,8 @@ runner proposes them (EAGLE, Medusa).
 
 `GrammarOutput` goes in with the call to sample, when requests are guided (structured_output/):
 made after the execute call, since with async scheduling it needs the tokens of the step before.
+The masks themselves stay on the device, one row per grammar state: the message names each
+sample row's row in that table, and brings only the rows the table does not hold yet.
 """
 from dataclasses import dataclass, field
 
@@ -80,8 +82,10 @@ class ModelRunnerOutput:
 
 @dataclass
 class GrammarOutput:
-    """The bitmask of a step's constrained requests: their sample rows, in the order of `seq_ids`
-    (a request with k drafts has k + 1 rows)."""
+    """The masks of a step's constrained requests: for their sample rows, in the order of
+    `seq_ids` (a request with k drafts has k + 1 rows), rows of the device's mask table."""
     seq_ids: list[int]
     num_rows: list[int]
-    bitmask: np.ndarray   # int32 [sum(num_rows), ceil(vocab / 32)]
+    mask_rows: list[int]   # [sum(num_rows)]
+    new_rows: list[int]    # rows to write into the table first ...
+    new_masks: np.ndarray  # ... with these masks: int32 [len(new_rows), ceil(vocab / 32)]

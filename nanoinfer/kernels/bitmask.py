@@ -1,9 +1,11 @@
 """The grammar's bitmask on the logits: every token whose bit is 0 gets -inf, in place.
 
-Row r of the mask is 32 tokens to an int32 word: token t is allowed when bit t % 32 of word
-t // 32 is set (structured_output/token_index.py). One program takes `BLOCK` tokens of one row,
-reads their words and writes -inf where the bit is clear; allowed logits are not touched. On
-the CPU the same in torch, which is also the kernel's test oracle.
+A mask is 32 tokens to an int32 word: token t is allowed when bit t % 32 of word t // 32 is set
+(structured_output/token_index.py). The masks stay on the device, one row per grammar state, in a
+table that grows as states are first used; a step sends only each logits row's row in the table
+(row 0 allows everything). One program takes `BLOCK` tokens of one logits row, reads their words
+from its mask and writes -inf where the bit is clear; allowed logits are not touched. On the CPU
+the same in torch, which is also the kernel's test oracle.
 """
 import torch
 import triton
@@ -11,27 +13,30 @@ import triton.language as tl
 
 
 @triton.jit
-def apply_bitmask_kernel(logits_ptr, bitmask_ptr, vocab_size, logits_stride, bitmask_stride, BLOCK: tl.constexpr):
+def apply_bitmask_kernel(logits_ptr, masks_ptr, rows_ptr, vocab_size, logits_stride, masks_stride,
+                         BLOCK: tl.constexpr):
     row, block = tl.program_id(0), tl.program_id(1)
+    mask_row = tl.load(rows_ptr + row).to(tl.int64)
     offs = block * BLOCK + tl.arange(0, BLOCK)
     inside = offs < vocab_size
-    words = tl.load(bitmask_ptr + row * bitmask_stride + offs // 32, mask=inside, other=-1)
+    words = tl.load(masks_ptr + mask_row * masks_stride + offs // 32, mask=inside, other=-1)
     blocked = ((words >> (offs % 32)) & 1) == 0
     tl.store(logits_ptr + row * logits_stride + offs, float("-inf"), mask=inside & blocked)
 
 
-def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    vocab_size = logits.shape[1]
+def apply_token_bitmask_torch(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor) -> None:
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1   # [rows, words, 32]
-    logits.masked_fill_(bits.flatten(1)[:, :vocab_size] == 0, float("-inf"))
+    bits = (masks[rows.long()].unsqueeze(-1) >> shifts) & 1   # [rows, words, 32]
+    logits.masked_fill_(bits.flatten(1)[:, :logits.shape[1]] == 0, float("-inf"))
 
 
-def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, block: int = 4096) -> None:
+def apply_token_bitmask_triton(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor,
+                               block: int = 4096) -> None:
     grid = (logits.shape[0], triton.cdiv(logits.shape[1], block))
-    apply_bitmask_kernel[grid](logits, bitmask, logits.shape[1], logits.stride(0), bitmask.stride(0), BLOCK=block)
+    apply_bitmask_kernel[grid](logits, masks, rows, logits.shape[1], logits.stride(0), masks.stride(0), BLOCK=block)
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits: [rows, vocab]; bitmask: int32 [rows, ceil(vocab / 32)]."""
-    (apply_token_bitmask_triton if logits.is_cuda else apply_token_bitmask_torch)(logits, bitmask)
+def apply_token_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor) -> None:
+    """logits: [n, vocab]; masks: int32 [table rows, ceil(vocab / 32)]; rows: int32 [n], each
+    logits row's mask."""
+    (apply_token_bitmask_triton if logits.is_cuda else apply_token_bitmask_torch)(logits, masks, rows)

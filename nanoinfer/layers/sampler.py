@@ -51,7 +51,8 @@ class SamplingMetadata:
     max_num_logprobs: int | None        # the most top-N logprobs any row asked for
     blocked_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, token ids) masked out
     penalties: Penalties | None = None
-    grammar_bitmask: torch.Tensor | None = None   # int32 [rows, ceil(vocab / 32)]: the allowed tokens
+    grammar_masks: torch.Tensor | None = None   # int32 [table rows, ceil(vocab / 32)]: allowed tokens ...
+    grammar_rows: torch.Tensor | None = None    # int32 [rows]: ... each row's mask (0: all)
 
 
 @dataclass
@@ -115,11 +116,11 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` ([rows, vocab], changed in place)."""
-        if meta.grammar_bitmask is not None:   # (first, as vLLM: the logprobs see it too)
-            apply_token_bitmask(logits, meta.grammar_bitmask)
+        if meta.grammar_masks is not None:   # (first, as vLLM: the logprobs see it too)
+            apply_token_bitmask(logits, meta.grammar_masks, meta.grammar_rows)
         raw_logprobs = None if meta.max_num_logprobs is None else logits.float().log_softmax(dim=-1)
         if meta.blocked_token_ids is not None:   # (a value on the device: a Python float would be copied over)
-            allowed = None if meta.grammar_bitmask is None else logits.clone()
+            allowed = None if meta.grammar_masks is None else logits.clone()
             logits.index_put_(meta.blocked_token_ids, logits.new_full((), float("-inf")))
             if allowed is not None:   # a grammar that allows only what min_tokens blocks (EOS) wins
                 logits.copy_(torch.where(logits.isneginf().all(-1, keepdim=True), allowed, logits))

@@ -10,9 +10,10 @@ The pipeline, per request:
    waits in WAITING_FOR_FSM and the scheduler takes the requests behind it, so no compilation
    ever holds up a step. Compiled grammars are cached by regex;
 3. each step, for each constrained request that samples, the bitmask of its DFA state (and with
-   drafts, of the state after each draft: one row per sample row) goes to the runner
-   (`GrammarOutput`), which sets every token outside it to -inf before sampling
-   (kernels/bitmask.py);
+   drafts, of the state after each draft: one row per sample row) is applied on the device, which
+   sets every token outside it to -inf before sampling (kernels/bitmask.py). The masks (19 KB
+   each at a 151,936-token vocabulary) are sent once: the device keeps a table of them, one row
+   per (grammar, state) seen, and a step's message (`GrammarOutput`) names rows of it;
 4. each token the request emits advances its state (`Grammar.accept`); drafts are cut at the
    first one the grammar does not allow, which could never have been accepted.
 The state lives with the request in the scheduler, so preemption keeps it. With async scheduling
@@ -31,6 +32,7 @@ from nanoinfer.structured_output.regex import compile_regex, parse
 from nanoinfer.structured_output.token_index import TokenIndex, Vocabulary, vocabulary_bytes
 
 MAX_CACHED_GRAMMARS = 32
+MAX_MASK_ROWS = 2048   # the device's mask table: 39 MB at a 151,936-token vocabulary
 
 
 class Grammar:
@@ -58,12 +60,12 @@ class Grammar:
                 return drafts[:i]
         return drafts
 
-    def bitmasks(self, drafts: list[int]) -> np.ndarray:
-        """A bitmask row for the state now and after each draft."""
+    def states(self, drafts: list[int]) -> list[int]:
+        """The state now and after each draft."""
         states = [self.state]
         for token_id in drafts:
             states.append(self.index.advance(states[-1], token_id))
-        return np.stack([self.index.bitmask(s) for s in states])
+        return states
 
 
 class StructuredOutputManager:
@@ -72,6 +74,7 @@ class StructuredOutputManager:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self.vocab: Vocabulary | None = None   # made on first use, in the thread
         self.indexes: dict[str, TokenIndex] = {}
+        self.rows: dict[tuple[TokenIndex, int], int] = {}   # (grammar, state) -> its row in the device's table
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-grammar")
         self.warmer = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-grammar-warm")
         self.closed = False
@@ -86,6 +89,11 @@ class StructuredOutputManager:
             regex = "(" + "|".join(re.escape(c) for c in params.choice) + ")"
         else:
             regex = params.regex
+        index = self.indexes.get(regex)
+        if index is not None:   # compiled before
+            done = Future()
+            done.set_result(index)
+            return done
         parse(regex)
         return self.executor.submit(self.token_index, regex)
 
@@ -102,20 +110,30 @@ class StructuredOutputManager:
             self.indexes[regex] = index
         return index
 
-    @staticmethod
-    def grammar_bitmask(requests: dict, sched) -> GrammarOutput | None:
-        """The bitmask rows of the step's constrained requests that sample (those with a token in
+    def grammar_bitmask(self, requests: dict, sched) -> GrammarOutput | None:
+        """The mask rows of the step's constrained requests that sample (those with a token in
         flight: the step's own placeholder, once the step before has been processed)."""
-        seq_ids, num_rows, rows = [], [], []
+        seq_ids, num_rows, keys = [], [], []
         for seq_id in sched.num_scheduled_tokens:
             seq = requests.get(seq_id)
             if seq is None or seq.grammar is None or not seq.num_output_placeholders:
                 continue
-            mask = seq.grammar.bitmasks(sched.scheduled_spec_decode_tokens.get(seq_id, []))
+            states = seq.grammar.states(sched.scheduled_spec_decode_tokens.get(seq_id, []))
             seq_ids.append(seq_id)
-            num_rows.append(len(mask))
-            rows.append(mask)
-        return GrammarOutput(seq_ids, num_rows, np.concatenate(rows)) if rows else None
+            num_rows.append(len(states))
+            keys += [(seq.grammar.index, state) for state in states]
+        if not keys:
+            return None
+        if len(self.rows) + len(keys) > MAX_MASK_ROWS:
+            self.rows.clear()   # the table is full: start it again (the rows are written anew)
+        new_rows, new_masks = [], []
+        for key in keys:
+            if key not in self.rows:
+                self.rows[key] = len(self.rows) + 1   # (row 0 allows every token)
+                new_rows.append(self.rows[key])
+                new_masks.append(key[0].bitmask(key[1]))
+        new_masks = np.stack(new_masks) if new_masks else np.zeros((0, 0), np.int32)
+        return GrammarOutput(seq_ids, num_rows, [self.rows[key] for key in keys], new_rows, new_masks)
 
     @staticmethod
     def wait_for_compilation(waiting) -> None:
