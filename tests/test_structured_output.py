@@ -219,6 +219,19 @@ def test_the_mask_table_starts_again_when_full(llama_dir, monkeypatch):
     assert check_outputs(got, params) >= 6
 
 
+def test_grammars_that_leave_the_cache_leave_the_mask_table(llama_dir, monkeypatch):
+    import nanoinfer.structured_output as so
+    monkeypatch.setattr(so, "MAX_CACHED_GRAMMARS", 2)
+    llm = LLM(llama_dir, max_model_len=256)
+    for i in range(5):
+        choices = [f"a{i}", f"b{i}c"]
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(
+            choice=choices)), use_tqdm=False)
+        assert out[0].outputs[0].text in choices
+    manager = llm.llm_engine.structured_output
+    assert len(manager.indexes) == 2 and {key[0] for key in manager.rows} <= set(manager.indexes.values())
+
+
 def test_guided_with_speculative_decoding(llama_dir):
     """n-gram drafts that the grammar does not allow are never scored; the output is the same as
     without speculation (greedy), and stays in the language."""

@@ -4,8 +4,8 @@ Decoding one token at a time is wrong: a character's UTF-8 bytes may span severa
 tokens, and some tokenizers change a token's text depending on its neighbours (leading
 spaces). So each step decodes a short window of recent tokens twice, with and without the new
 ones, and emits the difference. While the window ends in an incomplete character (decoded as
-U+FFFD) nothing is emitted and the window grows until the character is complete. Tokens that
-add no text at all (special tokens, skipped) are dropped from the window.
+U+FFFD) nothing is emitted and the window grows until the character is complete. Special tokens
+that add no text (skipped) are dropped from the window.
 
 Stop strings are searched only in the tail that the new text could have completed; the output
 is cut just before the stop string (just after it with `include_stop_str_in_output`).
@@ -25,6 +25,7 @@ class IncrementalDetokenizer:
         self.num_output_tokens = 0
         self.output_text = ""
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        self.skipped = set(tokenizer.all_special_ids) if params.skip_special_tokens else set()
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens,
@@ -38,8 +39,8 @@ class IncrementalDetokenizer:
         self.num_output_tokens += len(new_token_ids)
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset:])
-        if new_text == prefix_text:   # they add no text (skipped special tokens): forget them, or the
-            del self.token_ids[self.read_offset:]   # window would grow with each (EOS with ignore_eos)
+        if new_text == prefix_text and self.skipped.issuperset(new_token_ids):   # skipped special tokens:
+            del self.token_ids[self.read_offset:]   # forget them, or the window grows with each (EOS with ignore_eos)
             return None
         if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not finished):
             return None

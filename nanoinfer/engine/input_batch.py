@@ -31,6 +31,7 @@ import xxhash
 
 from nanoinfer.attention import AttentionMetadata
 from nanoinfer.engine.messages import GrammarOutput, NewRequestData, SchedulerOutput
+from nanoinfer.structured_output import MAX_MASK_ROWS
 from nanoinfer.layers.sampler import Penalties, SamplingMetadata
 
 SAMPLING_FIELDS = np.dtype([
@@ -220,8 +221,8 @@ class InputBatch:
         if grammar.new_rows:
             rows_needed = max(grammar.new_rows) + 1
             if self.grammar_masks is None or len(self.grammar_masks) < rows_needed:   # grow it
-                table = torch.full((2 * rows_needed, grammar.new_masks.shape[1]), -1, dtype=torch.int32,
-                                   device=self.device)
+                size = max(rows_needed, min(2 * rows_needed, MAX_MASK_ROWS + 1))
+                table = torch.full((size, grammar.new_masks.shape[1]), -1, dtype=torch.int32, device=self.device)
                 if self.grammar_masks is not None:
                     table[:len(self.grammar_masks)] = self.grammar_masks
                 self.grammar_masks = table

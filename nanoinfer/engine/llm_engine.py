@@ -205,11 +205,11 @@ class LLMEngine:
     def abort_all(self) -> None:
         """Abort every request. A step cut off half-way may have entered blocks in the prefix
         cache whose keys and values were never computed, so the prefix cache is emptied too."""
+        self.structured_output.rows.clear()   # the runner may have missed a step's masks ...
         self.in_flight.clear()
         self.abort_request(list(self.output_processor.requests))
         self.scheduler.block_manager.reset_prefix_cache()
-        self.model_executor.reset()   # it may have missed the step's message ...
-        self.structured_output.rows.clear()   # ... and the masks in it
+        self.model_executor.reset()   # ... or its message
 
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()

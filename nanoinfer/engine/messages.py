@@ -88,4 +88,4 @@ class GrammarOutput:
     num_rows: list[int]
     mask_rows: list[int]   # [sum(num_rows)]
     new_rows: list[int]    # rows to write into the table first ...
-    new_masks: np.ndarray  # ... with these masks: int32 [len(new_rows), ceil(vocab / 32)]
+    new_masks: np.ndarray | None   # ... with these masks: int32 [len(new_rows), ceil(vocab / 32)]

@@ -74,7 +74,10 @@ class StructuredOutputManager:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self.vocab: Vocabulary | None = None   # made on first use, in the thread
         self.indexes: dict[str, TokenIndex] = {}
-        self.rows: dict[tuple[TokenIndex, int], int] = {}   # (grammar, state) -> its row in the device's table
+        self.evicted: list[TokenIndex] = []   # left the cache (by the compile thread)
+        # the device's mask table: (grammar, state) -> its row; row 0 allows every token
+        self.rows: dict[tuple[TokenIndex, int], int] = {}
+        self.next_row = 1
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-grammar")
         self.warmer = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-grammar-warm")
         self.closed = False
@@ -106,13 +109,16 @@ class StructuredOutputManager:
             index.bitmask(index.dfa.start)
             self.warmer.submit(index.warm, lambda: self.closed or self.indexes.get(regex) is not index)
             if len(self.indexes) >= MAX_CACHED_GRAMMARS:
-                del self.indexes[next(iter(self.indexes))]   # the oldest
+                self.evicted.append(self.indexes.pop(next(iter(self.indexes))))   # the oldest
             self.indexes[regex] = index
         return index
 
     def grammar_bitmask(self, requests: dict, sched) -> GrammarOutput | None:
         """The mask rows of the step's constrained requests that sample (those with a token in
         flight: the step's own placeholder, once the step before has been processed)."""
+        while self.evicted:   # grammars that left the cache: drop their rows, so they can be freed
+            index = self.evicted.pop()
+            self.rows = {key: row for key, row in self.rows.items() if key[0] is not index}
         seq_ids, num_rows, keys = [], [], []
         for seq_id in sched.num_scheduled_tokens:
             seq = requests.get(seq_id)
@@ -124,16 +130,15 @@ class StructuredOutputManager:
             keys += [(seq.grammar.index, state) for state in states]
         if not keys:
             return None
-        if len(self.rows) + len(keys) > MAX_MASK_ROWS:
-            self.rows.clear()   # the table is full: start it again (the rows are written anew)
-        new_rows, new_masks = [], []
-        for key in keys:
-            if key not in self.rows:
-                self.rows[key] = len(self.rows) + 1   # (row 0 allows every token)
-                new_rows.append(self.rows[key])
-                new_masks.append(key[0].bitmask(key[1]))
-        new_masks = np.stack(new_masks) if new_masks else np.zeros((0, 0), np.int32)
-        return GrammarOutput(seq_ids, num_rows, [self.rows[key] for key in keys], new_rows, new_masks)
+        new_keys = {key: None for key in keys if key not in self.rows}   # (in order, once each)
+        if self.next_row + len(new_keys) > MAX_MASK_ROWS + 1:   # the table is full: start it again
+            self.rows, self.next_row = {}, 1
+            new_keys = dict.fromkeys(keys)
+        for key in new_keys:
+            self.rows[key], self.next_row = self.next_row, self.next_row + 1
+        new_masks = np.stack([index.bitmask(state) for index, state in new_keys]) if new_keys else None
+        return GrammarOutput(seq_ids, num_rows, [self.rows[key] for key in keys],
+                             [self.rows[key] for key in new_keys], new_masks)
 
     @staticmethod
     def wait_for_compilation(waiting) -> None:

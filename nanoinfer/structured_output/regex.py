@@ -201,11 +201,11 @@ class DFA:
         self.table, self.byte_class, self.accepting = table, byte_class, accepting
         self.start = 1
         # walk's copies: Python lists index faster than numpy does one item at a time
-        self.rows, self.byte_classes = table.tolist(), byte_class.tolist()
+        self.walk_table, self.byte_classes = table.tolist(), byte_class.tolist()
 
     def walk(self, state: int, data: bytes) -> int:
         for b in data:
-            state = self.rows[state][self.byte_classes[b]]
+            state = self.walk_table[state][self.byte_classes[b]]
         return state
 
     def fullmatch(self, text: str) -> bool:
