@@ -140,6 +140,8 @@ class OutputProcessor:
         """The step's RequestOutputs, and the sequences that a stop string ended (seq_id, string)."""
         touched, stopped, now = {}, [], time.time()
         for out in core_outputs:
+            if out.seq_id not in self.seqs:
+                continue   # ended here meanwhile (aborted, a stop string) while its step ran
             state, completion = self.seqs[out.seq_id]
             stop_string = completion.update(out)
             if stop_string is not None and out.finish_reason is None:

@@ -13,7 +13,8 @@ from itertools import count
 from tqdm.auto import tqdm
 
 from nanoinfer.config import Config
-from nanoinfer.engine.llm_engine import LLMEngine, PromptType
+from nanoinfer.engine.input_processor import PromptType
+from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -88,8 +89,9 @@ class LLM:
                         outputs[out.request_id] = out
                         bar.update(1)
                 dt = time.perf_counter() - start
-                bar.set_postfix(prefill=f"{engine.num_prefill_tokens / dt:.0f} tok/s",
-                                decode=f"{engine.num_decode_tokens / dt:.0f} tok/s", refresh=False)
+                core = engine.engine_core
+                bar.set_postfix(prefill=f"{core.num_prefill_tokens / dt:.0f} tok/s",
+                                decode=f"{core.num_decode_tokens / dt:.0f} tok/s", refresh=False)
         return [outputs[request_id] for request_id in request_ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -20,6 +20,7 @@ The state lives with the request in the scheduler, so preemption keeps it. With 
 the bitmask of step N + 1 needs step N's token: the engine then launches step N + 1's forward,
 waits for step N's tokens, advances the states, and only then samples (LLMEngine._step).
 """
+import functools
 import re
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -68,6 +69,23 @@ class Grammar:
         return states
 
 
+def guided_regex(params: GuidedDecodingParams) -> str:
+    """The constraint as a regex, checked: a ValueError names what is not supported."""
+    if params.json is not None:
+        regex = json_schema_to_regex(params.json)
+    elif params.choice is not None:
+        regex = "(" + "|".join(re.escape(c) for c in params.choice) + ")"
+    else:
+        regex = params.regex
+    check(regex)
+    return regex
+
+
+@functools.lru_cache(256)
+def check(regex: str) -> None:
+    parse(regex)   # (a few ms for a schema: once per regex)
+
+
 class StructuredOutputManager:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
@@ -82,22 +100,13 @@ class StructuredOutputManager:
         self.warmer = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-grammar-warm")
         self.closed = False
 
-    def compile(self, params: GuidedDecodingParams) -> Future:
-        """Check the constraint now (ValueError) and compile it in the background."""
-        if self.tokenizer is None:
-            raise ValueError("guided decoding needs a tokenizer; the engine was started with skip_tokenizer_init")
-        if params.json is not None:
-            regex = json_schema_to_regex(params.json)
-        elif params.choice is not None:
-            regex = "(" + "|".join(re.escape(c) for c in params.choice) + ")"
-        else:
-            regex = params.regex
+    def compile(self, regex: str) -> Future:
+        """Compile a checked regex (`guided_regex`) in the background."""
         index = self.indexes.get(regex)
         if index is not None:   # compiled before
             done = Future()
             done.set_result(index)
             return done
-        parse(regex)
         return self.executor.submit(self.token_index, regex)
 
     def token_index(self, regex: str) -> TokenIndex:

@@ -9,7 +9,8 @@ Supported keywords: `type` (one or a list), `properties`, `required`, `additiona
 false` (the only behaviour: no other properties), `items`, `minItems`, `maxItems`, `enum`,
 `const`, `pattern`, `minLength`, `maxLength`, `anyOf`, `$ref` to `#/$defs/...` (or
 `#/definitions/...`), and the annotations (`title`, `description`, ...), which are ignored. A
-schema of no type (`{}`) is any JSON value nested at most `ANY_DEPTH` deep. A string `pattern`
+schema of no type (`{}`) is any JSON value nested at most `ANY_DEPTH` deep, and an object
+without `properties` any object (response_format `json_object`). A string `pattern`
 is taken as a full match (which then also matches as JSON Schema's search), its text without
 the characters JSON must escape. Anything else is a ValueError naming the keyword.
 """
@@ -108,6 +109,8 @@ class SchemaCompiler:
         return SCALARS[type_]
 
     def object(self, schema: dict) -> str:
+        if "properties" not in schema and "additionalProperties" not in schema:   # any object
+            return rf"\{{{repeat(f'{STRING}:{WS}{any_value(ANY_DEPTH)}', 0, None)}\}}"
         props = list(schema.get("properties", {}).items())
         required = set(schema.get("required", []))
         missing = required - {name for name, _ in props}

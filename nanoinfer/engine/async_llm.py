@@ -1,0 +1,101 @@
+"""AsyncLLM: the engine for a server, streaming each request's outputs to an asyncio caller.
+
+    async for out in engine.generate(prompt, params, request_id):   # a RequestOutput per step
+        ...
+
+The front end runs in the caller's event loop: it tokenizes and validates the request
+(InputProcessor; a bad one raises ValueError at once), sends it to an engine core process
+(core_client.py), and gives the request a queue. The client's reader thread hands each step's
+token ids to the event loop, where the OutputProcessor detokenizes them and puts each request's
+RequestOutput in its queue (all front-end state is touched in the loop's thread only). A stop
+string found here ends the sequence in the core too.
+
+A request ends with a finished output, or an exception: EngineDeadError when its core died.
+Leaving the `async for` early (the client disconnected: the task is cancelled) aborts the
+request, which frees its blocks in the core at once.
+"""
+import asyncio
+import weakref
+from collections.abc import AsyncIterator
+
+from nanoinfer.config import Config
+from nanoinfer.engine.core_client import EngineCoreClient
+from nanoinfer.engine.input_processor import InputProcessor, PromptType
+from nanoinfer.engine.llm_engine import EngineDeadError, load_tokenizer
+from nanoinfer.engine.output_processor import OutputProcessor
+from nanoinfer.outputs import RequestOutput
+from nanoinfer.sampling_params import SamplingParams
+
+
+class AsyncLLM:
+
+    def __init__(self, model: str, data_parallel_size: int = 1, **kwargs):
+        self.config = Config(model, **kwargs)
+        self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(self.config.model)
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None   # the caller's, from the first request on
+        self.errors: dict[int, EngineDeadError] = {}   # the cores that died, and why
+        self.client = EngineCoreClient(self.config, self.on_message, data_parallel_size)
+        weakref.finalize(self, self.client.shutdown)
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (as `params.output_kind` says); the last one is finished."""
+        self.loop = asyncio.get_running_loop()
+        text, request = self.input_processor.process(request_id, prompt, params)
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        if len(self.errors) == len(self.client.conns):
+            raise next(iter(self.errors.values()))
+        queue = self.queues[request_id] = asyncio.Queue()
+        self.output_processor.add_request(request_id, text, request.prompt_token_ids, request.params,
+                                          request.seq_ids)
+        self.client.add_request(request)
+        try:
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finished:
+                    return
+        finally:   # finished, failed, or left early (cancelled): nothing of it stays behind
+            self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks; an id no longer live is ignored."""
+        self.queues.pop(request_id, None)
+        if request_id in self.output_processor.requests:
+            self.client.abort(request_id, self.output_processor.remove_request(request_id))
+        self.client.finished(request_id)
+
+    def on_message(self, rank: int, message: tuple) -> None:
+        """From the client's reader thread: go on in the event loop's."""
+        if message[0] == "dead":
+            self.errors[rank] = EngineDeadError(f"engine core {rank} died: {message[1]}")
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.process, rank, message)
+
+    def process(self, rank: int, message: tuple) -> None:
+        if message[0] == "dead":   # every request of that core fails
+            for request_id in [r for r, owner in self.client.owner.items() if owner == rank]:
+                if request_id in self.queues:
+                    self.queues[request_id].put_nowait(self.errors[rank])
+            return
+        outputs, stopped = self.output_processor.process_outputs(message[1])
+        for seq_id, _ in stopped:   # ended by a stop string: the core has not seen that
+            self.client.send(rank, ("abort", [seq_id]))
+        for out in outputs:
+            if out.request_id in self.queues:
+                self.queues[out.request_id].put_nowait(out)
+            if out.finished:
+                self.client.finished(out.request_id)
+
+    def stats(self) -> list:
+        """Each core's last SchedulerStats."""
+        return list(self.client.stats)
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

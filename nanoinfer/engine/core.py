@@ -1,0 +1,147 @@
+"""The engine core: the scheduler and the model, stepping, with token ids in and out.
+
+vLLM V1 splits an engine in two. The core owns what runs next to the GPU: the scheduler (which
+sequences run this step, and their KV-cache blocks), the model executor, and the grammars of
+structured output. It knows a request as sequences of token ids (`EngineCoreRequest`), and each
+step returns, for every sequence it touched, the new token ids (`EngineCoreOutput`). The front
+end does the rest: tokenizing and validating prompts, detokenizing, stop strings, building
+`RequestOutput`s (`LLMEngine` for the offline `LLM`, `AsyncLLM` for a server).
+
+Offline, the front end calls the core in its own process, so the whole engine can be stepped
+through in a debugger. A server runs the core in a process of its own (core_client.py), where it
+steps in a busy loop while the front end serves HTTP, tokenizes and detokenizes.
+
+`step()`: schedule -> run the model on the flattened batch -> sample -> append the tokens and
+apply the token-level stops. With async scheduling (the default) the step's second half is done
+one step later: step N+1 is scheduled and launched while step N still runs on the GPU, and only
+then does the host wait for step N's tokens and process them. So the GPU never waits for the
+host's scheduling and input building, as long as those take less time than a step's kernels.
+"""
+import atexit
+import gc
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from nanoinfer.config import Config
+from nanoinfer.engine.block_manager import BlockManager
+from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.scheduler import EngineCoreOutput, Scheduler
+from nanoinfer.engine.sequence import Sequence
+from nanoinfer.executor.multiproc_executor import MultiprocExecutor
+from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.structured_output import Grammar, StructuredOutputManager
+
+
+atexit.register(gc.unfreeze)   # what EngineCore froze is freed at exit (extensions check for leaks)
+
+
+@dataclass
+class EngineCoreRequest:
+    """A validated request, as the core runs it: one sequence per sample (n of them)."""
+    request_id: str
+    seq_ids: list[int]
+    prompt_token_ids: list[int]
+    params: list[SamplingParams]   # per sample (their seeds differ)
+    max_tokens: int
+    grammar: str | None = None     # the regex of a guided request (structured_output/)
+
+
+@dataclass
+class SchedulerStats:
+    """The core's load and cache, for a server's metrics and its load balancer."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0   # of the blocks, the fraction in use
+    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache, in all
+    prefix_cache_hits: int = 0      # ... and found there
+
+
+class EngineCore:
+
+    def __init__(self, config: Config, tokenizer=None):
+        self.config = config
+        # the model runs here (one process, one device) or on tensor-parallel ranks (executor/)
+        self.model_executor = ModelRunner(config) if config.tensor_parallel_size == 1 else MultiprocExecutor(config)
+        if config.tensor_parallel_size > 1:   # the workers stop with the core, or at interpreter exit
+            weakref.finalize(self, self.model_executor.shutdown)
+        block_manager = BlockManager(self.model_executor.num_kvcache_blocks, config.block_size,
+                                     config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, block_manager)
+        self.structured_output = StructuredOutputManager(tokenizer, config.hf_config.vocab_size,
+                                                         config.eos_token_ids)
+        self.in_flight: deque = deque()   # the outputs of launched steps (`get_output()` waits)
+        self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for progress bars
+        # The hundreds of thousands of objects start-up made (modules, the tokenizer, parameters) live
+        # as long as the engine: take them out of the garbage collector's sight, so that its full
+        # collections, which the step loop's allocations trigger now and then, stay short.
+        gc.collect()
+        gc.freeze()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        compiled = None if request.grammar is None else self.structured_output.compile(request.grammar)
+        for seq_id, params in zip(request.seq_ids, request.params):
+            seq = Sequence(seq_id, request.prompt_token_ids, params, request.max_tokens, self.config.block_size)
+            if compiled is not None:   # each sample its own state in the one compiled grammar
+                seq.grammar = Grammar(compiled)
+            self.scheduler.add(seq)
+
+    def abort_requests(self, seq_ids: list[int]) -> None:
+        """Finish these sequences at once and free their blocks; ids no longer live are ignored."""
+        for seq_id in seq_ids:
+            if seq_id in self.scheduler.requests:
+                self.scheduler.finish(self.scheduler.requests[seq_id], "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        self.model_executor.execute_model(sched)
+        core_outputs, self.scheduler.unstepped_outputs = self.scheduler.unstepped_outputs, []
+        grammar = None
+        if self.scheduler.has_guided(sched):   # their states must have seen the step in flight's tokens
+            while self.in_flight:
+                core_outputs += self.scheduler.update_from_output(self.in_flight.popleft().get_output())
+            grammar = self.structured_output.grammar_bitmask(self.scheduler.requests, sched)
+        elif not sched.num_scheduled_tokens and self.scheduler.waiting and not self.in_flight:
+            self.structured_output.wait_for_compilation(self.scheduler.waiting)
+        self.in_flight.append(self.model_executor.sample_tokens(grammar))
+        self.num_prefill_tokens = sum(n for n in sched.num_scheduled_tokens.values() if n > 1)
+        self.num_decode_tokens = sum(1 for n in sched.num_scheduled_tokens.values() if n == 1)
+        # async scheduling leaves the step just launched in flight and finishes the one before
+        keep = 1 if self.config.async_scheduling and sched.num_scheduled_tokens else 0
+        while len(self.in_flight) > keep:
+            core_outputs += self.scheduler.update_from_output(self.in_flight.popleft().get_output())
+        return core_outputs
+
+    def stats(self) -> SchedulerStats:
+        bm = self.scheduler.block_manager
+        return SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                              1 - bm.num_free_blocks / bm.num_blocks, bm.num_prefix_query_tokens,
+                              bm.num_prefix_hit_tokens)
+
+    def abort_all(self) -> None:
+        """Abort every request. A step cut off half-way may have entered blocks in the prefix
+        cache whose keys and values were never computed, so the prefix cache is emptied too."""
+        self.structured_output.rows.clear()   # the runner may have missed a step's masks ...
+        self.in_flight.clear()
+        self.abort_requests(list(self.scheduler.requests))
+        self.scheduler.block_manager.reset_prefix_cache()
+        self.model_executor.reset()   # ... or its message
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the tensor-parallel workers and free the model and its KV cache. Idempotent."""
+        self.in_flight.clear()
+        if self.model_executor is None:
+            return
+        if isinstance(self.model_executor, MultiprocExecutor):
+            self.model_executor.shutdown(graceful)
+        self.model_executor = None
+        self.structured_output.shutdown()
+        gc.unfreeze()   # let the collector free the model's reference cycles
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,189 @@
+"""The engine core in a process of its own, stepping in a busy loop, and the client that feeds it.
+
+A server's front end (AsyncLLM) tokenizes, detokenizes and answers HTTP; the core process only
+schedules and runs the model, so none of that front-end work ever holds up the GPU:
+
+    front end (the server's process)                          engine core process (per DP rank)
+    AsyncLLM.generate -> InputProcessor
+        client.add_request: ("add", EngineCoreRequest)   ---->  EngineCore.add_request
+        client.abort:       ("abort", [seq ids])          ---->  EngineCore.abort_requests
+                                                                 loop: take what came, step()
+        output thread  <----  ("outputs", [EngineCoreOutput], SchedulerStats), every step
+    OutputProcessor (detokenize, stop strings) -> each request's queue
+
+The channel is the standard library's `multiprocessing.connection` over a socket pair: it sends
+pickled Python objects, needs no extra package, and `wait()` watches every core's socket (and
+process) at once, which data parallelism needs. A step's message is a few KB. (vLLM uses ZeroMQ
+and msgpack, for lower serialisation cost and to reach other machines.) The core never waits
+while it has work: between steps it takes the messages that have come; idle, it blocks on them.
+
+Failures: an exception in a core (at start-up or in a step) reaches the client as ("dead",
+traceback) and the process exits; a core killed outright is seen by its process handle. Either
+way the requests it held get an error, never silence. The core exits too when the front end's
+process goes away (its socket closes).
+
+Data parallelism: N cores, each with its own GPUs (or the CPU). A new request goes to the core
+with the lowest 4 × waiting + running (as each last reported, plus what was sent to it since):
+the load balancer of vLLM's first version. A request's aborts go to the core that has it.
+"""
+import multiprocessing as mp
+import os
+import signal
+import threading
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+from nanoinfer.config import Config
+from nanoinfer.engine.core import EngineCore, EngineCoreRequest, SchedulerStats
+
+
+def run_engine_core(config: Config, conn) -> None:
+    """The core process: step while there is work, take messages between steps."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the front end's to handle
+    core = None
+
+    def handle(kind, payload) -> bool:
+        if kind == "add":
+            core.add_request(payload)
+        elif kind == "abort":
+            core.abort_requests(payload)
+        return kind != "shutdown"
+
+    try:
+        from nanoinfer.engine.llm_engine import load_tokenizer
+        core = EngineCore(config, None if config.skip_tokenizer_init else load_tokenizer(config.model))
+        conn.send(("ready", None))
+        while True:
+            while conn.poll(0):
+                if not handle(*conn.recv()):
+                    return
+            if core.has_unfinished():
+                conn.send(("outputs", core.step(), core.stats()))
+            else:   # idle: report, then wait for the next message
+                conn.send(("outputs", [], core.stats()))
+                if not handle(*conn.recv()):
+                    return
+    except (EOFError, BrokenPipeError):   # the front end is gone
+        pass
+    except BaseException:
+        try:
+            conn.send(("dead", traceback.format_exc()))
+        except OSError:
+            pass
+    finally:
+        if core is not None:
+            core.shutdown()
+
+
+class EngineCoreClient:
+    """Starts `data_parallel_size` core processes and talks to them. `on_message(rank, message)`
+    is called from the client's reader thread for every message a core sends, and with
+    ("dead", reason) when a core dies."""
+
+    def __init__(self, config: Config, on_message: Callable, data_parallel_size: int = 1):
+        ctx = mp.get_context("spawn")
+        self.on_message, self.conns, self.procs = on_message, [], []
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        try:
+            for rank in range(data_parallel_size):
+                if config.device == "cuda":   # rank r: GPUs [r * tp, (r + 1) * tp), read as the child starts
+                    tp = config.tensor_parallel_size
+                    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(rank * tp + i) for i in range(tp))
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=run_engine_core, args=(config, child), name=f"nanoinfer-core-{rank}")
+                proc.start()
+                child.close()
+                self.conns.append(parent)
+                self.procs.append(proc)
+        finally:
+            if visible is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        self.alive, self.closing, self.reader = [True] * data_parallel_size, False, None
+        for rank, conn in enumerate(self.conns):   # wait for every core to start
+            try:
+                message = conn.recv() if conn.poll(600) else ("dead", "it did not start in 10 minutes")
+            except (EOFError, OSError):
+                self.procs[rank].join(5)
+                message = ("dead", f"it exited (exit code {self.procs[rank].exitcode})")
+            if message[0] != "ready":
+                self.shutdown()
+                raise RuntimeError(f"engine core {rank} failed to start:\n{message[1]}")
+        self.stats = [SchedulerStats() for _ in self.conns]
+        self.num_sent = [0] * len(self.conns)   # requests sent to each core since it last reported
+        self.owner: dict[str, int] = {}   # request_id -> the core that has it
+        self.lock = threading.Lock()      # sending: from the front end's thread and the reader's
+        self.reader = threading.Thread(target=self.read, name="nanoinfer-core-reader", daemon=True)
+        self.reader.start()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        live = [r for r in range(len(self.conns)) if self.alive[r]]
+        if not live:
+            raise RuntimeError("every engine core has died")
+        rank = min(live, key=lambda r: 4 * (self.stats[r].num_waiting + self.num_sent[r]) + self.stats[r].num_running)
+        self.owner[request.request_id] = rank
+        self.num_sent[rank] += 1
+        self.send(rank, ("add", request))
+
+    def abort(self, request_id: str, seq_ids: list[int]) -> None:
+        """Abort a request's sequences (or those that a stop string ended) in its core."""
+        rank = self.owner.get(request_id)
+        if rank is not None and seq_ids:
+            self.send(rank, ("abort", seq_ids))
+
+    def finished(self, request_id: str) -> None:
+        self.owner.pop(request_id, None)
+
+    def send(self, rank: int, message) -> None:
+        if self.alive[rank]:
+            try:
+                with self.lock:
+                    self.conns[rank].send(message)
+            except OSError:   # it died: the reader reports that
+                pass
+
+    def read(self) -> None:
+        """The reader thread: every core's messages to `on_message`, and any core's death."""
+        sources = {conn: rank for rank, conn in enumerate(self.conns)}
+        sources |= {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
+        while any(self.alive):
+            ready = wait([s for s, r in sources.items() if self.alive[r]])
+            for source in ready:
+                rank = sources[source]
+                if self.closing:
+                    return
+                if not self.alive[rank]:
+                    continue
+                try:
+                    message = source.recv() if source in self.conns else None
+                except (EOFError, OSError):
+                    message = None
+                if message is None:   # its process ended without a word
+                    self.procs[rank].join(1)
+                    message = ("dead", f"engine core {rank} died (exit code {self.procs[rank].exitcode})")
+                if message[0] == "outputs":
+                    self.stats[rank], self.num_sent[rank] = message[2], 0
+                elif message[0] == "dead":
+                    self.alive[rank] = False
+                self.on_message(rank, message)
+
+    def shutdown(self) -> None:
+        """Stop every core (a last resort: kill it) and close the sockets. Idempotent."""
+        self.closing = True
+        for conn in self.conns:
+            try:
+                conn.send(("shutdown", None))
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if self.reader is not None:
+            self.reader.join(5)
+        self.alive = [False] * len(self.conns)
+        for conn in self.conns:
+            conn.close()

@@ -1,0 +1,91 @@
+"""The front end's first half: a prompt and its sampling params become an `EngineCoreRequest`.
+
+Everything that can be wrong with a request is found here, before the core sees it, so that a
+bad request gets a ValueError saying what is wrong and never disturbs the others: the prompt is
+tokenized (or its token ids checked), its length held against max_model_len, token ids against
+the vocabulary, logprobs against max_logprobs, a guided request's constraint parsed. The n
+samples of a request become n sequences with seeds seed, seed + 1, ...
+"""
+import copy
+import dataclasses
+from itertools import count
+
+from transformers import PreTrainedTokenizerBase
+
+from nanoinfer.config import Config
+from nanoinfer.engine.core import EngineCoreRequest
+from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.structured_output import guided_regex
+
+PromptType = str | list[int] | dict
+
+
+class InputProcessor:
+
+    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase | None):
+        self.config, self.tokenizer = config, tokenizer
+        self.seq_counter = count()
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None
+                ) -> tuple[str | None, EngineCoreRequest]:
+        """The prompt's text (if known) and the request; raises ValueError saying what is wrong."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = copy.deepcopy(params)   # the caller may change or reuse theirs
+        text, token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        grammar = None
+        if params.guided_decoding is not None:
+            if self.tokenizer is None:
+                raise ValueError("guided decoding needs a tokenizer; the engine was started with skip_tokenizer_init")
+            grammar = guided_regex(params.guided_decoding)
+        max_tokens = params.max_tokens or self.config.max_model_len - len(token_ids)
+        children = [params if params.seed is None else dataclasses.replace(params, seed=wrap64(params.seed + i))
+                    for i in range(params.n)]   # the samples of n > 1: seeds seed, seed + 1, ...
+        seq_ids = [next(self.seq_counter) for _ in children]
+        return text, EngineCoreRequest(request_id, seq_ids, token_ids, children, max_tokens, grammar)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if self.tokenizer is None and (isinstance(prompt, str) or (isinstance(prompt, dict)
+                                                                   and "prompt_token_ids" not in prompt)):
+            raise ValueError("the engine has no tokenizer (skip_tokenizer_init): pass prompt token ids")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), prompt["prompt_token_ids"]
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        if isinstance(prompt, list):
+            return None, prompt
+        raise ValueError("a prompt must be a str, a list of token ids, or a dict with 'prompt' or "
+                         f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
+            raise ValueError("prompt token ids must be a list of integers")
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must have at least one token")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
+                             f"{self.config.max_model_len} (prompt and output must fit)")
+        vocab_size = self.config.hf_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        bad = [t for t in params.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; the engine was started with skip_tokenizer_init")
+        max_logprobs = min(self.config.max_logprobs, vocab_size)
+        if params.logprobs is not None and params.logprobs > max_logprobs:
+            raise ValueError(f"SamplingParams.logprobs={params.logprobs} is more than this engine returns "
+                             f"(max_logprobs={max_logprobs}, an engine option)")
+
+
+def wrap64(x: int) -> int:
+    """x as a signed 64-bit integer (wrapping around)."""
+    return (x + 2**63) % 2**64 - 2**63

@@ -1,0 +1,290 @@
+"""An OpenAI-compatible HTTP server over AsyncLLM: `python -m nanoinfer.serve --model PATH`.
+
+    POST /v1/completions, /v1/chat/completions   (stream: true -> server-sent events, then [DONE])
+    GET  /v1/models, /health, /metrics (Prometheus text)
+
+A request's path: FastAPI parses the JSON body into a request model (a wrong type is a 400);
+the handler tokenizes the prompt (a chat through the model's chat template), maps the fields to
+SamplingParams (a bad value is a 400 naming it) and iterates `AsyncLLM.generate`; each
+RequestOutput becomes a chunk (streaming, DELTA outputs) or the final answer. A client that goes
+away mid-stream cancels the handler's task, which aborts the request and frees its blocks.
+Errors have OpenAI's body, `{"error": {"message", "type", "param", "code"}}`.
+"""
+import json
+import time
+import uuid
+
+import prometheus_client as prom
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel
+
+from nanoinfer.engine.async_llm import AsyncLLM
+from nanoinfer.engine.llm_engine import EngineDeadError
+from nanoinfer.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
+
+
+class SamplingFields(BaseModel):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stream: bool = False
+    stream_options: dict | None = None
+    response_format: dict | None = None
+    ignore_eos: bool = False   # vLLM's extra fields
+    min_tokens: int = 0
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int]
+    max_tokens: int | None = 16   # (OpenAI's default for completions)
+    logprobs: int | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[dict]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class EngineCollector:
+    """Each engine core's load and prefix cache, read at scrape time (label `engine`: its DP rank)."""
+
+    def __init__(self, engine: AsyncLLM):
+        self.engine = engine
+
+    def collect(self):
+        families = [GaugeMetricFamily("nanoinfer:num_requests_running", "Sequences running", labels=["engine"]),
+                    GaugeMetricFamily("nanoinfer:num_requests_waiting", "Sequences waiting", labels=["engine"]),
+                    GaugeMetricFamily("nanoinfer:kv_cache_usage_perc", "KV-cache blocks in use (0-1)", labels=["engine"]),
+                    CounterMetricFamily("nanoinfer:prefix_cache_queries", "Prompt tokens looked up", labels=["engine"]),
+                    CounterMetricFamily("nanoinfer:prefix_cache_hits", "Prompt tokens found", labels=["engine"])]
+        for rank, s in enumerate(self.engine.stats()):
+            values = [s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits]
+            for family, value in zip(families, values):
+                family.add_metric([str(rank)], value)
+        yield from families
+
+
+def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="nanoinfer")
+    tokenizer, max_model_len = engine.tokenizer, engine.config.max_model_len
+    registry = prom.CollectorRegistry()
+    registry.register(EngineCollector(engine))
+    prompt_tokens = prom.Counter("nanoinfer:prompt_tokens", "Prompt tokens", registry=registry)
+    generation_tokens = prom.Counter("nanoinfer:generation_tokens", "Generated tokens", registry=registry)
+    ttft = prom.Histogram("nanoinfer:time_to_first_token_seconds", "Time to first token", registry=registry,
+                          buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+    itl = prom.Histogram("nanoinfer:inter_token_latency_seconds", "Time between tokens", registry=registry,
+                         buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56))
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1") and \
+                request.headers.get("Authorization") != f"Bearer {api_key}":
+            return JSONResponse(error_body(401, "missing or wrong API key"), 401)
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        if first["type"] == "json_invalid":
+            return JSONResponse(error_body(400, f"the body is not valid JSON: {first['ctx']['error']}"), 400)
+        where = ".".join(str(part) for part in first["loc"] if part != "body")
+        return JSONResponse(error_body(400, f"{where or 'body'}: {first['msg']}", where or None), 400)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(error_body(e.status, str(e), e.param), e.status)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=503 if len(engine.errors) == len(engine.client.conns) else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(prom.generate_latest(registry), media_type=prom.CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "nanoinfer", "max_model_len": max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest):
+        if isinstance(request.prompt, str):
+            prompt = {"prompt": request.prompt, "prompt_token_ids": tokenizer.encode(request.prompt)}
+        else:
+            prompt = {"prompt_token_ids": request.prompt}
+        return await generate(request, prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest):
+        try:
+            text = tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:   # a malformed conversation, or a template that refuses it
+            raise APIError(400, f"messages: {e}", "messages") from e
+        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        return await generate(request, prompt, chat=True)
+
+    async def generate(request, prompt: dict, chat: bool):
+        if request.model is not None and request.model != model_name:
+            raise APIError(404, f"the model {request.model!r} does not exist (this server has {model_name!r})", "model")
+        params = sampling_params(request, len(prompt["prompt_token_ids"]), chat, max_model_len)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        outputs = engine.generate(prompt, params, request_id)
+        try:
+            first = await outputs.__anext__()
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        except EngineDeadError as e:
+            raise APIError(500, str(e)) from e
+        prompt_tokens.inc(len(prompt["prompt_token_ids"]))
+        top_n = (request.top_logprobs or 0) if chat else request.logprobs
+        chunk = Chunker(request_id, model_name, chat, len(prompt["prompt_token_ids"]), top_n)
+
+        async def all_outputs():   # with the metrics of the finished request
+            out = first
+            while True:
+                yield out
+                if out.finished:
+                    m, n = out.metrics, chunk.completion_tokens
+                    generation_tokens.inc(n)
+                    if m.first_token_time is not None:
+                        ttft.observe(m.first_token_time - m.arrival_time)
+                    if n > 1:
+                        itl.observe((m.last_token_time - m.first_token_time) / (n - 1))
+                    return
+                out = await outputs.__anext__()
+
+        if not request.stream:
+            try:
+                async for out in all_outputs():
+                    response = chunk.final(out)
+            except EngineDeadError as e:
+                raise APIError(500, str(e)) from e
+            return response
+
+        async def events():
+            try:
+                async for out in all_outputs():
+                    yield f"data: {json.dumps(chunk.delta(out))}\n\n"
+                if (request.stream_options or {}).get("include_usage"):
+                    yield f"data: {json.dumps(chunk.usage_chunk())}\n\n"
+            except EngineDeadError as e:
+                yield f"data: {json.dumps(error_body(500, str(e)))}\n\n"
+            finally:
+                await outputs.aclose()   # (left early: the client went away; this aborts it)
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def sampling_params(request, prompt_len: int, chat: bool, max_model_len: int) -> SamplingParams:
+    if request.n != 1:
+        raise APIError(400, "n must be 1 (several choices per request are not supported yet)", "n")
+    if prompt_len >= max_model_len:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; this model's maximum context length is "
+                            f"{max_model_len} (prompt and output)", "messages" if chat else "prompt")
+    max_tokens = (request.max_completion_tokens or request.max_tokens) if chat else request.max_tokens
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                            f"{prompt_len} and max_tokens asks for {max_tokens} more", "max_tokens")
+    guided, fmt = None, request.response_format or {"type": "text"}
+    if fmt.get("type") == "json_object":
+        guided = GuidedDecodingParams(json={"type": "object"})
+    elif fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format json_schema needs json_schema.schema, an object", "response_format")
+        guided = GuidedDecodingParams(json=schema)
+    elif fmt.get("type") != "text":
+        raise APIError(400, f"response_format type {fmt.get('type')!r} is not one of text, json_object, "
+                            "json_schema", "response_format")
+    logprobs = request.logprobs if not chat else (request.top_logprobs or 0) if request.logprobs else None
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+            min_p=request.min_p, seed=request.seed, stop=request.stop, presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+            ignore_eos=request.ignore_eos, min_tokens=request.min_tokens, logprobs=logprobs, guided_decoding=guided,
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
+    except ValueError as e:
+        raise APIError(400, str(e)) from e
+
+
+class Chunker:
+    """RequestOutputs as OpenAI's response objects: streamed chunks, or the whole answer."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, prompt_tokens: int, top_n: int | None):
+        self.id, self.model, self.chat, self.created = request_id, model, chat, int(time.time())
+        self.prompt_tokens, self.completion_tokens, self.first, self.top_n = prompt_tokens, 0, True, top_n
+
+    def head(self, suffix: str = "") -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind + suffix, "created": self.created, "model": self.model}
+
+    def choice(self, out, delta: bool) -> dict:
+        c = out.outputs[0]
+        self.completion_tokens = self.completion_tokens + len(c.token_ids) if delta else len(c.token_ids)
+        choice = {"index": 0, "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if not self.chat:
+            return choice | {"text": c.text}
+        if delta:
+            choice["delta"] = ({"role": "assistant"} if self.first else {}) | {"content": c.text}
+            self.first = False
+            return choice
+        return choice | {"message": {"role": "assistant", "content": c.text}}
+
+    def logprobs(self, entries) -> dict | None:
+        if entries is None:
+            return None
+        if not self.chat:
+            sampled = [next(iter(e.values())) for e in entries]
+            return {"tokens": [lp.decoded_token for lp in sampled], "token_logprobs": [lp.logprob for lp in sampled],
+                    "top_logprobs": [{lp.decoded_token: lp.logprob for lp in reversed(e.values())}   # (the first wins)
+                                     for e in entries]}
+
+        def item(lp) -> dict:
+            return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+        return {"content": [item(next(iter(e.values()))) | {"top_logprobs": [item(lp) for lp in e.values()
+                                                                           if lp.rank <= self.top_n]}
+                            for e in entries]}
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def delta(self, out) -> dict:
+        return self.head(".chunk" if self.chat else "") | {"choices": [self.choice(out, True)], "usage": None}
+
+    def usage_chunk(self) -> dict:
+        return self.head(".chunk" if self.chat else "") | {"choices": [], "usage": self.usage()}
+
+    def final(self, out) -> dict:
+        return self.head() | {"choices": [self.choice(out, False)], "usage": self.usage()}

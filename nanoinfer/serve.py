@@ -1,0 +1,57 @@
+"""`python -m nanoinfer.serve --model PATH [--port 8000] [--host 127.0.0.1] [--api-key KEY]
+[--data-parallel-size N] [engine options]`: the OpenAI-compatible server (entrypoints/).
+
+Every engine option of `Config` is a flag of the same name in vLLM's spelling
+(`--max-model-len 4096`, `--tensor-parallel-size 2`, `--enable-prefix-caching` /
+`--no-enable-prefix-caching`, ...). It binds 127.0.0.1 unless told otherwise.
+"""
+import argparse
+import dataclasses
+import json
+import typing
+
+from nanoinfer.config import Config
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m nanoinfer.serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a Hugging Face model folder (default: SmolLM2)")
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="engine-core processes")
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        kind = typing.get_args(hints[f.name])[0] if typing.get_args(hints[f.name]) else hints[f.name]
+        if not f.init or f.name == "model" or kind not in (int, float, str, bool, dict):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            parser.add_argument(flag, type=json.loads if kind is dict else kind, default=f.default)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    import uvicorn
+
+    from nanoinfer.engine.async_llm import AsyncLLM
+    from nanoinfer.entrypoints.openai_server import create_app
+    args = parse_args(argv)
+    if args.model is None:
+        from nanoinfer.default_model import default_model_path
+        args.model = default_model_path()
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
+               if f.init and f.name != "model" and hasattr(args, f.name)}
+    engine = AsyncLLM(args.model, data_parallel_size=args.data_parallel_size, **options)
+    try:
+        uvicorn.run(create_app(engine, args.served_model_name or args.model, args.api_key),
+                    host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

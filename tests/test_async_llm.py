@@ -1,0 +1,95 @@
+"""AsyncLLM over engine-core processes: streamed outputs equal the offline engine's, aborts free
+blocks, bad requests fail alone, data parallelism spreads the load, a dead core is an error."""
+import asyncio
+import time
+
+import pytest
+from conftest import random_prompts
+
+from nanoinfer import LLM, RequestOutputKind, SamplingParams
+from nanoinfer.engine.async_llm import AsyncLLM
+from nanoinfer.engine.llm_engine import EngineDeadError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    engine = AsyncLLM(llama_dir, data_parallel_size=2, max_model_len=256)
+    yield engine
+    engine.shutdown()
+    assert not any(proc.is_alive() for proc in engine.client.procs)
+
+
+async def stream(engine, prompt, params, request_id) -> list[int]:
+    token_ids = []
+    async for out in engine.generate(prompt, params, request_id):
+        token_ids += out.outputs[0].token_ids
+    return token_ids
+
+
+def test_streams_equal_the_offline_engine_over_two_cores(engine, llama_dir):
+    prompts = random_prompts([5 + 3 * i for i in range(16)], seed=4)
+
+    async def run():
+        return await asyncio.gather(*[stream(engine, p, GREEDY, f"s{i}") for i, p in enumerate(prompts)])
+    got = asyncio.run(run())
+    want = LLM(llama_dir, max_model_len=256).generate(prompts, GREEDY, use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in want]
+    assert all(stats.prefix_cache_queries > 0 for stats in engine.stats())   # both cores had requests
+
+
+def wait_until_idle(engine) -> list:
+    for _ in range(100):
+        stats = engine.stats()
+        if all(s.num_running == s.num_waiting == 0 and s.kv_cache_usage == 0 for s in stats):
+            return stats
+        time.sleep(0.05)
+    return engine.stats()
+
+
+def test_a_cancelled_stream_is_aborted_and_frees_its_blocks(engine):
+    """A client that disconnects: the server cancels the task reading its stream."""
+    long = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def run():
+        started = asyncio.Event()
+
+        async def read():
+            async for _ in engine.generate([7] * 40, long, "leaver"):
+                started.set()
+        task = asyncio.create_task(read())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert engine.output_processor.requests == {} and engine.queues == {}
+    asyncio.run(run())
+    assert all(s.kv_cache_usage == 0 and s.num_running == 0 for s in wait_until_idle(engine))
+
+
+def test_a_bad_request_fails_alone(engine):
+    async def run():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await stream(engine, [5] * 300, GREEDY, "too-long")
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await stream(engine, [10**9], GREEDY, "bad-id")
+        return await stream(engine, [5, 6, 7], GREEDY, "fine")
+    assert len(asyncio.run(run())) == 24
+
+
+def test_a_killed_core_is_an_error_not_a_hang(llama_dir):
+    engine = AsyncLLM(llama_dir, max_model_len=512)
+    try:
+        async def run():
+            params = SamplingParams(max_tokens=500, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+            outputs = engine.generate([5, 6, 7], params, "victim")
+            await outputs.__anext__()   # it runs
+            engine.client.procs[0].kill()
+            with pytest.raises(EngineDeadError, match="engine core 0 died"):
+                await asyncio.wait_for(outputs.__anext__(), 30)
+            with pytest.raises(EngineDeadError):
+                await stream(engine, [5, 6], GREEDY, "after")
+        asyncio.run(run())
+    finally:
+        engine.shutdown()

@@ -1,0 +1,216 @@
+"""The OpenAI-compatible server, through real sockets on 127.0.0.1 and the official client."""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from conftest import random_prompts
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+jsonschema = pytest.importorskip("jsonschema")
+
+from nanoinfer import LLM, SamplingParams  # noqa: E402
+
+KEY = "secret-key"
+
+
+def start_server(model: str, *args: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "nanoinfer.serve", "--model", model, "--port", str(port),
+                             "--served-model-name", "tiny", "--max-model-len", "256", *args])
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+        assert proc.poll() is None, "the server exited"
+    raise TimeoutError("the server did not start")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    cores = core_pids(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(30)
+    for pid in cores:   # none outlives the server
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def core_pids(pid: int) -> list[int]:
+    """The server's engine-core processes."""
+    children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    return [int(c) for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    proc, url = start_server(llama_dir, "--api-key", KEY, "--data-parallel-size", "2")
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY)
+
+
+def metrics(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_completions_and_chat_streamed_equal_not_streamed(client):
+    for chat in (False, True):
+        kwargs = dict(model="tiny", max_tokens=12, temperature=0)
+        if chat:
+            whole = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kwargs)
+            parts = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], stream=True,
+                                                   stream_options={"include_usage": True}, **kwargs)
+            text, streamed = whole.choices[0].message.content, []
+            for chunk in parts:
+                streamed += [c.delta.content or "" for c in chunk.choices]
+        else:
+            whole = client.completions.create(prompt="hello there", **kwargs)
+            parts = client.completions.create(prompt="hello there", stream=True,
+                                              stream_options={"include_usage": True}, **kwargs)
+            text, streamed = whole.choices[0].text, []
+            for chunk in parts:
+                streamed += [c.text for c in chunk.choices]
+        assert "".join(streamed) == text and whole.usage.completion_tokens == 12
+        assert chunk.usage.completion_tokens == 12 and chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_sampling_fields(client):
+    a, b = (client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=1, seed=11)
+            for _ in range(2))
+    assert a.choices[0].text == b.choices[0].text   # seeded
+    out = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=5, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == 5 and len(lp.top_logprobs) == 5   # (top: keyed by text, which may repeat)
+    assert all(max(t.values()) >= lp_ for t, lp_ in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=3, temperature=0)
+    assert [len(t.top_logprobs) for t in chat.choices[0].logprobs.content] == [3] * 4
+    long = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=30, temperature=0)
+    stop = long.choices[0].text[5:8]
+    cut = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+
+
+def test_json_schema_response_format(client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"]}
+    for seed in range(3):
+        out = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "json"}], max_tokens=60, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        if out.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+
+
+def test_64_concurrent_streams_equal_offline(server, llama_dir):
+    prompts = random_prompts([4 + i % 30 for i in range(64)], seed=8)
+    client = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY)
+
+    async def one(prompt):
+        text = ""
+        async for chunk in await client.completions.create(model="tiny", prompt=prompt, max_tokens=16,
+                                                           temperature=0, stream=True):
+            text += chunk.choices[0].text
+        return text
+
+    async def run():
+        return await asyncio.gather(*[one(p) for p in prompts])
+    got = asyncio.run(run())
+    want = LLM(llama_dir, max_model_len=256).generate(prompts, SamplingParams(temperature=0, max_tokens=16),
+                                                      use_tqdm=False)
+    assert got == [o.outputs[0].text for o in want]
+    m = metrics(server)
+    assert all(m[f'nanoinfer:prefix_cache_queries_total{{engine="{r}"}}'] > 0 for r in (0, 1))   # both cores
+
+
+def test_a_disconnect_frees_the_blocks(server):
+    body = {"model": "tiny", "prompt": [5] * 50, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        next(response.iter_lines())   # a token came: now go away
+    for _ in range(100):
+        m = metrics(server)
+        if all(m[f'nanoinfer:kv_cache_usage_perc{{engine="{r}"}}'] == 0 for r in (0, 1)):
+            break
+        time.sleep(0.05)
+    assert all(m[f'nanoinfer:num_requests_running{{engine="{r}"}}'] == 0 for r in (0, 1))
+    assert all(m[f'nanoinfer:kv_cache_usage_perc{{engine="{r}"}}'] == 0 for r in (0, 1))
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ("{not json", 400, None),
+    ({"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, None),
+    ({"model": "tiny", "prompt": [5] * 300}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "other", "prompt": "x"}, 404, "model"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(server + "/v1/completions", content=content, headers=headers)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["code"] == status and error["message"] and error["param"] == param and error["type"]
+    ok = httpx.post(server + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 3}, headers=headers)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3   # still serving
+
+
+def test_the_api_key_is_required(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(server + "/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert response.status_code == 401 and response.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.get(server + "/health").status_code == 200   # not a /v1 route
+
+
+def test_a_killed_core_fails_its_requests_only(llama_dir):
+    proc, url = start_server(llama_dir, "--data-parallel-size", "2", "--max-model-len", "512")
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
+
+        async def one(client, started: asyncio.Event):
+            lines = []
+            async with client.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                async for line in response.aiter_lines():
+                    lines += [line] if line else []
+                    started.set()
+            return lines
+
+        async def run():
+            async with httpx.AsyncClient() as client:
+                started = [asyncio.Event() for _ in range(4)]
+                tasks = [asyncio.create_task(one(client, event)) for event in started]
+                await asyncio.wait_for(asyncio.gather(*[event.wait() for event in started]), 60)
+                os.kill(core_pids(proc.pid)[0], signal.SIGKILL)   # every request is streaming
+                return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        streams = asyncio.run(run())
+        assert all(s[-1] == "data: [DONE]" for s in streams)
+        failed = [s for s in streams if '"error"' in s[-2]]
+        assert failed and "engine core" in failed[0][-2]
+        assert httpx.get(url + "/health").status_code == 200   # the other core serves on
+        ok = httpx.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
+        assert ok.status_code == 200
+    finally:
+        stop_server(proc)
