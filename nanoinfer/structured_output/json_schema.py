@@ -109,7 +109,7 @@ class SchemaCompiler:
         return SCALARS[type_]
 
     def object(self, schema: dict) -> str:
-        if "properties" not in schema and "additionalProperties" not in schema:   # any object
+        if not {"properties", "required", "additionalProperties"} & schema.keys():   # any object
             return rf"\{{{repeat(f'{STRING}:{WS}{any_value(ANY_DEPTH)}', 0, None)}\}}"
         props = list(schema.get("properties", {}).items())
         required = set(schema.get("required", []))
