@@ -69,6 +69,7 @@ def walk_dfa(dfa, rng: np.random.Generator, stop: float = 0.3) -> str:
     (SCHEMA, [{"name": "é", "age": -3, "tag": 3, "tags": ["ab"], "nested": {"z": None, "p": [1.5, 2e-3]}}]),
     ({"anyOf": [{"type": "string", "minLength": 2}, {"type": "integer"}]}, ["ab\"", 0]),
     ({}, [{"a": [1, "x"], "b": None}, [], "s", 1.5]),   # any JSON, two levels deep
+    ({"type": "object"}, [{}, {"a": {"b": [1, None]}, "d": "x"}]),   # any object, three levels (json_object)
     ({"type": "object", "properties": {k: {"type": "integer"} for k in "abc"}}, [{}, {"b": 1}, {"a": 1, "c": 2}]),
     ({"type": "array", "items": {"type": "boolean"}, "minItems": 3}, [[True] * 3, [False] * 5]),
     ({"type": "string", "pattern": "^(cat|dog).*$"}, ["cat", "dogs é"])])   # (quotes stay outside)
