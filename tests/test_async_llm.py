@@ -93,3 +93,20 @@ def test_a_killed_core_is_an_error_not_a_hang(llama_dir):
         asyncio.run(run())
     finally:
         engine.shutdown()
+
+
+def test_shutdown_ends_live_requests_with_an_error(llama_dir):
+    engine = AsyncLLM(llama_dir, max_model_len=512)
+
+    async def run():
+        params = SamplingParams(max_tokens=500, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        outputs = engine.generate([5, 6, 7], params, "live")
+        await outputs.__anext__()
+        engine.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(outputs.__anext__(), 30)
+        with pytest.raises(EngineDeadError):
+            await stream(engine, [5, 6], GREEDY, "after")
+        assert engine.output_processor.requests == {} and engine.queues == {}
+    asyncio.run(run())
+    assert not any(proc.is_alive() for proc in engine.client.procs)

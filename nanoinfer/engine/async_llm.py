@@ -52,8 +52,8 @@ class AsyncLLM:
         queue = self.queues[request_id] = asyncio.Queue()
         self.output_processor.add_request(request_id, text, request.prompt_token_ids, request.params,
                                           request.seq_ids)
-        self.client.add_request(request)
         try:
+            self.client.add_request(request)
             while True:
                 out = await queue.get()
                 if isinstance(out, BaseException):
@@ -62,7 +62,8 @@ class AsyncLLM:
                 if out.finished:
                     return
         finally:   # finished, failed, or left early (cancelled): nothing of it stays behind
-            self.abort(request_id)
+            if self.queues.get(request_id) is queue:   # (not a new request that reuses the id)
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; an id no longer live is ignored."""
@@ -98,4 +99,7 @@ class AsyncLLM:
         return list(self.client.stats)
 
     def shutdown(self) -> None:
+        """Stop the core processes; requests still live get EngineDeadError."""
         self.client.shutdown()
+        for rank in range(len(self.client.conns)):
+            self.on_message(rank, ("dead", "the engine was shut down"))

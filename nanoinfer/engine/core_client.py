@@ -31,11 +31,13 @@ import os
 import signal
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
 from nanoinfer.config import Config
 from nanoinfer.engine.core import EngineCore, EngineCoreRequest, SchedulerStats
+from nanoinfer.engine.llm_engine import EngineDeadError
 
 
 def run_engine_core(config: Config, conn) -> None:
@@ -82,8 +84,8 @@ class EngineCoreClient:
     ("dead", reason) when a core dies."""
 
     def __init__(self, config: Config, on_message: Callable, data_parallel_size: int = 1):
-        ctx = mp.get_context("spawn")
-        self.on_message, self.conns, self.procs = on_message, [], []
+        ctx = mp.get_context("spawn")   # (a weak reference: the reader thread must not keep the engine alive)
+        self.on_message, self.conns, self.procs = weakref.WeakMethod(on_message), [], []
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         try:
             for rank in range(data_parallel_size):
@@ -102,15 +104,18 @@ class EngineCoreClient:
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = visible
         self.alive, self.closing, self.reader = [True] * data_parallel_size, False, None
-        for rank, conn in enumerate(self.conns):   # wait for every core to start
-            try:
-                message = conn.recv() if conn.poll(600) else ("dead", "it did not start in 10 minutes")
-            except (EOFError, OSError):
-                self.procs[rank].join(5)
-                message = ("dead", f"it exited (exit code {self.procs[rank].exitcode})")
-            if message[0] != "ready":
-                self.shutdown()
-                raise RuntimeError(f"engine core {rank} failed to start:\n{message[1]}")
+        try:   # wait for every core to start (Ctrl-C meanwhile: stop them)
+            for rank, conn in enumerate(self.conns):
+                try:
+                    message = conn.recv() if conn.poll(600) else ("dead", "it did not start in 10 minutes")
+                except (EOFError, OSError):
+                    self.procs[rank].join(5)
+                    message = ("dead", f"it exited (exit code {self.procs[rank].exitcode})")
+                if message[0] != "ready":
+                    raise RuntimeError(f"engine core {rank} failed to start:\n{message[1]}")
+        except BaseException:
+            self.shutdown()
+            raise
         self.stats = [SchedulerStats() for _ in self.conns]
         self.num_sent = [0] * len(self.conns)   # requests sent to each core since it last reported
         self.owner: dict[str, int] = {}   # request_id -> the core that has it
@@ -121,7 +126,7 @@ class EngineCoreClient:
     def add_request(self, request: EngineCoreRequest) -> None:
         live = [r for r in range(len(self.conns)) if self.alive[r]]
         if not live:
-            raise RuntimeError("every engine core has died")
+            raise EngineDeadError("every engine core has died")
         rank = min(live, key=lambda r: 4 * (self.stats[r].num_waiting + self.num_sent[r]) + self.stats[r].num_running)
         self.owner[request.request_id] = rank
         self.num_sent[rank] += 1
@@ -162,12 +167,13 @@ class EngineCoreClient:
                     message = None
                 if message is None:   # its process ended without a word
                     self.procs[rank].join(1)
-                    message = ("dead", f"engine core {rank} died (exit code {self.procs[rank].exitcode})")
+                    message = ("dead", f"its process ended (exit code {self.procs[rank].exitcode})")
                 if message[0] == "outputs":
                     self.stats[rank], self.num_sent[rank] = message[2], 0
                 elif message[0] == "dead":
                     self.alive[rank] = False
-                self.on_message(rank, message)
+                if (on_message := self.on_message()) is not None:
+                    on_message(rank, message)
 
     def shutdown(self) -> None:
         """Stop every core (a last resort: kill it) and close the sockets. Idempotent."""

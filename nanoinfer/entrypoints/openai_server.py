@@ -210,7 +210,9 @@ def sampling_params(request, prompt_len: int, chat: bool, max_model_len: int) ->
     if prompt_len >= max_model_len:
         raise APIError(400, f"the prompt has {prompt_len} tokens; this model's maximum context length is "
                             f"{max_model_len} (prompt and output)", "messages" if chat else "prompt")
-    max_tokens = (request.max_completion_tokens or request.max_tokens) if chat else request.max_tokens
+    max_tokens = request.max_tokens
+    if chat and request.max_completion_tokens is not None:
+        max_tokens = request.max_completion_tokens
     if max_tokens is not None and prompt_len + max_tokens > max_model_len:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
                             f"{prompt_len} and max_tokens asks for {max_tokens} more", "max_tokens")
