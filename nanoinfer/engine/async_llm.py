@@ -45,13 +45,10 @@ class AsyncLLM:
         """Stream a request's outputs (as `params.output_kind` says); the last one is finished."""
         self.loop = asyncio.get_running_loop()
         text, request = self.input_processor.process(request_id, prompt, params)
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         if len(self.errors) == len(self.client.conns):
             raise next(iter(self.errors.values()))
+        self.output_processor.add_request(text, request)   # (ValueError if the id is in use)
         queue = self.queues[request_id] = asyncio.Queue()
-        self.output_processor.add_request(request_id, text, request.prompt_token_ids, request.params,
-                                          request.seq_ids)
         try:
             self.client.add_request(request)
             while True:

@@ -53,10 +53,7 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError saying what is wrong with it."""
         self.check_alive()
         text, request = self.input_processor.process(request_id, prompt, params)
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-        self.output_processor.add_request(request_id, text, request.prompt_token_ids, request.params,
-                                          request.seq_ids)
+        self.output_processor.add_request(text, request)
         self.engine_core.add_request(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:

@@ -15,6 +15,7 @@ import time
 
 from transformers import PreTrainedTokenizerBase
 
+from nanoinfer.engine.core import EngineCoreRequest
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
 from nanoinfer.engine.scheduler import EngineCoreOutput
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -118,14 +119,16 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.seqs: dict[int, tuple[RequestState, CompletionState]] = {}   # seq_id -> its request, sample
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: list[SamplingParams], seq_ids: list[int]) -> None:
-        """`params` and `seq_ids`: one per sample."""
+    def add_request(self, prompt: str | None, request: EngineCoreRequest) -> None:
+        """Follow a request the core is about to run; its id must not be a live request's."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use by a live request")
+        params, prompt_token_ids = request.params, request.prompt_token_ids
         completions = [CompletionState(i, p, prompt_token_ids, self.tokenizer) for i, p in enumerate(params)]
-        state = RequestState(request_id, prompt, list(prompt_token_ids), params[0].output_kind, completions,
-                             seq_ids)
-        self.requests[request_id] = state
-        for seq_id, completion in zip(seq_ids, completions):
+        state = RequestState(request.request_id, prompt, list(prompt_token_ids), params[0].output_kind,
+                             completions, request.seq_ids)
+        self.requests[request.request_id] = state
+        for seq_id, completion in zip(request.seq_ids, completions):
             self.seqs[seq_id] = state, completion
 
     def remove_request(self, request_id: str) -> list[int]:
