@@ -28,6 +28,14 @@ shape repeat itself (every layer's output projections zeroed: a token's successo
 on that token alone, and with tied embeddings is the token itself), so that drafts are accepted
 while every kernel costs what it did: the speed of verification at near-full acceptance.
 
+Serving: `--mode serve [--url URL] [--request-rate R[,R...]] [--max-concurrency C]` sends the
+same workload through the OpenAI-compatible server (one started with the same model and engine
+options, or the one at URL) as streamed /v1/completions requests with Poisson arrivals, and
+reports request and output throughput, time to first token, time per output token, inter-token
+latency and end-to-end latency (median and p99), and goodput under an SLO (`--slo-ttft-ms`,
+`--slo-tpot-ms`). Each rate's run starts its prompts with a token of its own, so that no run
+finds another's blocks in the prefix cache. The client is the standard library's asyncio.
+
 Structured output: `--guided-json [FILE]` makes every request follow a JSON schema (bench.py's
 typical one without FILE); `--tokenizer DIR` gives a random-weight shape a real tokenizer.
 
@@ -35,16 +43,23 @@ On a machine without CUDA it scales itself down (a few short prompts) so it ends
 minute, and says so; the roofline is only printed on a GPU.
 """
 import argparse
+import asyncio
 import dataclasses
+import itertools
 import json
 import multiprocessing
 import os
 import pickle
 import random
 import shutil
+import signal
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 
@@ -260,6 +275,115 @@ def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, 
     print_spec_stats(engine)
 
 
+async def stream_completion(host: str, port: int, body: dict) -> dict:
+    """One streamed /v1/completions request over a raw HTTP/1.1 connection: when it was sent,
+    when each of its chunks came, its usage, and the error, if it got one."""
+    reader, writer = await asyncio.open_connection(host, port)
+    data = json.dumps(body).encode()
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+    result = {"sent": time.perf_counter(), "chunks": [], "usage": None, "error": None}
+    status = (await reader.readline()).split()[1]
+    chunked = False
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        chunked |= line.lower() == b"transfer-encoding: chunked\r\n"
+    buffer = b""
+    while True:   # server-sent events, each "data: {json}\n\n", in chunked transfer encoding
+        if chunked:
+            size = int(await reader.readline(), 16)
+            part = (await reader.readexactly(size + 2))[:-2]
+        else:
+            part = await reader.read(1 << 16)
+        if not part:
+            break
+        buffer += part
+        *events, buffer = buffer.split(b"\n\n")
+        now = time.perf_counter()
+        for event in events:
+            if status != b"200" or event == b"data: [DONE]":
+                result["error"] = result["error"] or (None if status == b"200" else event.decode())
+                continue
+            message = json.loads(event.removeprefix(b"data: "))
+            if "error" in message:
+                result["error"] = message["error"]["message"]
+            elif message["choices"]:
+                result["chunks"].append(now)
+            elif message.get("usage"):
+                result["usage"] = message["usage"]
+    if status != b"200" and result["error"] is None:
+        result["error"] = f"HTTP {status.decode()}: {buffer.decode()}"
+    writer.close()
+    return result
+
+
+def start_server(model: str, engine_kwargs: dict, data_parallel_size: int) -> tuple[subprocess.Popen, str]:
+    """`python -m nanoinfer.serve` with these engine options, once it answers /health."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "nanoinfer.serve", "--model", model, "--port", str(port),
+           "--data-parallel-size", str(data_parallel_size)]
+    for name, value in engine_kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            cmd.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    proc, url = subprocess.Popen(cmd), f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            if urllib.request.urlopen(url + "/health").status == 200:
+                return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited with code {proc.returncode}")
+            time.sleep(0.2)
+
+
+def serve(url: str, prompts: list[list[int]], params: list[SamplingParams], rates: list[float],
+          max_concurrency: int | None, slo_ttft: float, slo_tpot: float) -> None:
+    """Each rate in turn: the workload's requests arrive as a Poisson process (all at once for
+    inf), at most `max_concurrency` of them in flight; the tokens come back streamed."""
+    host, port = url.removeprefix("http://").rstrip("/").split(":")
+
+    async def run(rate: float, tag: int) -> tuple[list[dict], float]:
+        rng = random.Random(tag)
+        arrivals = itertools.accumulate((rng.expovariate(rate) if rate != float("inf") else 0.0
+                                         for _ in prompts), initial=0.0)
+        slots = asyncio.Semaphore(max_concurrency or len(prompts))
+
+        async def one(prompt: list[int], p: SamplingParams, arrival: float) -> dict:
+            await asyncio.sleep(arrival)
+            async with slots:
+                return await stream_completion(host, int(port), {
+                    "prompt": [tag] + prompt[1:], "max_tokens": p.max_tokens, "temperature": p.temperature,
+                    "ignore_eos": p.ignore_eos, "stream": True, "stream_options": {"include_usage": True}})
+        start = time.perf_counter()
+        results = await asyncio.gather(*[one(*x) for x in zip(prompts, params, arrivals)])
+        return results, time.perf_counter() - start
+
+    asyncio.run(run(float("inf"), 10_000))   # warm-up: the first request of each shape compiles kernels
+    for i, rate in enumerate(rates):
+        results, elapsed = asyncio.run(run(rate, 10_001 + i))   # its own first token: no prefix-cache hits
+        failed = [r for r in results if r["error"] or not r["chunks"]]
+        if failed:
+            raise SystemExit(f"{len(failed)} requests failed, the first with: {failed[0]['error']}")
+        ttft = [r["chunks"][0] - r["sent"] for r in results]
+        e2e = [r["chunks"][-1] - r["sent"] for r in results]
+        tokens = [r["usage"]["completion_tokens"] for r in results]
+        tpot = [(e - t) / (n - 1) for e, t, n in zip(e2e, ttft, tokens) if n > 1]
+        itl = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
+        good = sum(t <= slo_ttft and (n == 1 or (e - t) / (n - 1) <= slo_tpot) for t, e, n in zip(ttft, e2e, tokens))
+
+        def ms(xs: list[float]) -> str:
+            xs = sorted(xs)
+            return f"{1e3 * statistics.median(xs):,.1f} / {1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]:,.1f} ms"
+        print(f"rate {rate:g} req/s: {len(results)} requests in {elapsed:.2f} s: {len(results) / elapsed:.2f} req/s, "
+              f"{sum(tokens) / elapsed:,.0f} output tok/s; median / p99: TTFT {ms(ttft)}, TPOT {ms(tpot)}, "
+              f"ITL {ms(itl)}, E2E {ms(e2e)}; goodput (TTFT <= {1e3 * slo_ttft:g} ms, TPOT <= "
+              f"{1e3 * slo_tpot:g} ms) {good / elapsed:.2f} req/s ({good / len(results):.0%} of requests)", flush=True)
+
+
 def kernels() -> None:
     """Decode and prefill attention, Qwen3-0.6B heads (16 q / 8 kv, head_dim 128), bf16."""
     import triton.testing
@@ -362,7 +486,7 @@ def main():
     parser.add_argument("--no-async-scheduling", action="store_true", help="wait for each step's tokens")
     parser.add_argument("--runs", type=int, default=None, help="timed runs of the workload (default: 3 on a GPU)")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
-    parser.add_argument("--mode", choices=["throughput", "latency", "kernels"], default="throughput")
+    parser.add_argument("--mode", choices=["throughput", "latency", "kernels", "serve"], default="throughput")
     parser.add_argument("--input-len", type=int, default=512, help="latency mode: prompt length")
     parser.add_argument("--output-len", type=int, default=256, help="latency mode: output length")
     parser.add_argument("--speculative-config", type=json.loads, default=None, help="as LLM's, in JSON")
@@ -372,6 +496,12 @@ def main():
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder for a random-weight shape")
     parser.add_argument("--guided-json", nargs="?", const="", default=None,
                         help="every request follows a JSON schema: this file's, or (no value) a typical one")
+    parser.add_argument("--url", default=None, help="serve mode: a running server (default: start one)")
+    parser.add_argument("--request-rate", default="inf", help="serve mode: requests per second, or a list: 4,8,inf")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="serve mode: requests in flight at most")
+    parser.add_argument("--slo-ttft-ms", type=float, default=500, help="serve mode: goodput's time to first token")
+    parser.add_argument("--slo-tpot-ms", type=float, default=50, help="serve mode: goodput's time per output token")
+    parser.add_argument("--dp", type=int, default=1, help="serve mode: data_parallel_size of the server started")
     args = parser.parse_args()
     if args.runs is None:
         args.runs = 3 if torch.cuda.is_available() else 1
@@ -403,6 +533,16 @@ def main():
                 shutil.copy(os.path.join(args.tokenizer, name), model)
     if args.mode == "latency":   # (copy prompts are about 180 tokens)
         kwargs["max_model_len"] = max(args.input_len, 512 if args.workload == "copy" else 0) + args.output_len
+    if args.mode == "serve":
+        prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+        proc, url = (None, args.url) if args.url else start_server(model, kwargs, args.dp)
+        try:
+            return serve(url, prompts, params, [float(r) for r in args.request_rate.split(",")],
+                         args.max_concurrency, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+        finally:
+            if proc is not None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait()
     bandwidth = peak = gpu_name = None
     if on_gpu:   # in a process of its own: this one then holds no GPU memory beside the engine's
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:

@@ -49,3 +49,16 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+
+    def add(self, later: "RequestOutput") -> None:
+        """Merge the request's next DELTA output into this one: the two as one output."""
+        mine = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            if c.index not in mine:
+                self.outputs.append(c)
+                continue
+            m = mine[c.index]
+            m.text, m.token_ids = m.text + c.text, m.token_ids + c.token_ids
+            m.logprobs = None if c.logprobs is None else m.logprobs + c.logprobs
+            m.cumulative_logprob, m.finish_reason, m.stop_reason = c.cumulative_logprob, c.finish_reason, c.stop_reason
+        self.finished, self.num_cached_tokens, self.metrics = later.finished, later.num_cached_tokens, later.metrics

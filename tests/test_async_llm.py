@@ -8,6 +8,7 @@ from conftest import random_prompts
 
 from nanoinfer import LLM, RequestOutputKind, SamplingParams
 from nanoinfer.engine.async_llm import AsyncLLM
+from nanoinfer.engine.core_client import core_gpus
 from nanoinfer.engine.llm_engine import EngineDeadError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
@@ -63,7 +64,7 @@ def test_a_cancelled_stream_is_aborted_and_frees_its_blocks(engine):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert engine.output_processor.requests == {} and engine.queues == {}
+        assert engine.output_processor.requests == {} and engine.streams == {}
     asyncio.run(run())
     assert all(s.kv_cache_usage == 0 and s.num_running == 0 for s in wait_until_idle(engine))
 
@@ -76,6 +77,52 @@ def test_a_bad_request_fails_alone(engine):
             await stream(engine, [10**9], GREEDY, "bad-id")
         return await stream(engine, [5, 6, 7], GREEDY, "fine")
     assert len(asyncio.run(run())) == 24
+
+
+def test_an_error_in_the_front_end_fails_the_requests_it_touched(engine, monkeypatch):
+    real, broken_once = engine.output_processor.process_outputs, []
+
+    def broken(core_outputs):
+        if core_outputs and not broken_once:
+            broken_once.append(True)
+            raise RuntimeError("a bug in the front end")
+        return real(core_outputs)
+    monkeypatch.setattr(engine.output_processor, "process_outputs", broken)
+
+    async def run():
+        with pytest.raises(RuntimeError, match="a bug"):
+            await stream(engine, [5, 6, 7], GREEDY, "victim")
+        return await stream(engine, [5, 6, 7], GREEDY, "after")
+    assert len(asyncio.run(run())) == 24   # the engine serves on
+    assert all(s.kv_cache_usage == 0 and s.num_running == 0 for s in wait_until_idle(engine))
+
+
+def test_each_core_gets_its_own_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7,9")
+    assert core_gpus(2, 2) == ["3,5", "7,9"] and core_gpus(3, 1) == ["3", "5", "7"]
+    with pytest.raises(ValueError, match="needs 6 GPUs, 4 are visible"):
+        core_gpus(3, 2)
+
+
+def test_merged_delta_outputs_are_the_outputs_in_one(engine):
+    """A consumer that falls behind gets the DELTA outputs that piled up as one."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1,
+                            output_kind=RequestOutputKind.DELTA)
+
+    async def run(slow: bool):
+        outs = []
+        async for out in engine.generate([5, 6, 7, 8], params, f"slow-{slow}"):
+            outs.append(out)
+            if slow:
+                await asyncio.sleep(0.2)   # meanwhile several steps finish
+        return outs
+    fast, slow = asyncio.run(run(False)), asyncio.run(run(True))
+    assert len(slow) < len(fast) and slow[-1].finished
+    joined = [[t for out in outs for t in out.outputs[0].token_ids] for outs in (fast, slow)]
+    assert joined[0] == joined[1] and len(joined[0]) == 24
+    logprobs = [[lp for out in outs for lp in out.outputs[0].logprobs] for outs in (fast, slow)]
+    assert [list(e) for e in logprobs[0]] == [list(e) for e in logprobs[1]]
+    assert slow[-1].outputs[0].finish_reason == fast[-1].outputs[0].finish_reason == "length"
 
 
 def test_a_killed_core_is_an_error_not_a_hang(llama_dir):
@@ -107,6 +154,6 @@ def test_shutdown_ends_live_requests_with_an_error(llama_dir):
             await asyncio.wait_for(outputs.__anext__(), 30)
         with pytest.raises(EngineDeadError):
             await stream(engine, [5, 6], GREEDY, "after")
-        assert engine.output_processor.requests == {} and engine.queues == {}
+        assert engine.output_processor.requests == {} and engine.streams == {}
     asyncio.run(run())
     assert not any(proc.is_alive() for proc in engine.client.procs)

@@ -26,7 +26,7 @@ def start_server(model: str, *args: str) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "nanoinfer.serve", "--model", model, "--port", str(port),
-                             "--served-model-name", "tiny", "--max-model-len", "256", *args])
+                             "--served-model-name", "tiny", "--max-model-len", "512", *args])
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -106,6 +106,8 @@ def test_sampling_fields(client):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                           logprobs=True, top_logprobs=3, temperature=0)
     assert [len(t.top_logprobs) for t in chat.choices[0].logprobs.content] == [3] * 4
+    for token in chat.choices[0].logprobs.content:   # the most likely first
+        assert [t.logprob for t in token.top_logprobs] == sorted((t.logprob for t in token.top_logprobs), reverse=True)
     long = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=30, temperature=0)
     stop = long.choices[0].text[5:8]
     cut = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=30, temperature=0, stop=[stop])
@@ -144,16 +146,24 @@ def test_64_concurrent_streams_equal_offline(server, llama_dir):
     assert all(m[f'nanoinfer:prefix_cache_queries_total{{engine="{r}"}}'] > 0 for r in (0, 1))   # both cores
 
 
-def test_a_disconnect_frees_the_blocks(server):
-    body = {"model": "tiny", "prompt": [5] * 50, "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server + "/v1/completions", json=body,
-                      headers={"Authorization": f"Bearer {KEY}"}) as response:
-        next(response.iter_lines())   # a token came: now go away
-    for _ in range(100):
-        m = metrics(server)
-        if all(m[f'nanoinfer:kv_cache_usage_perc{{engine="{r}"}}'] == 0 for r in (0, 1)):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_disconnect_aborts_the_request_and_frees_its_blocks(server, stream):
+    def num_aborted() -> float:
+        return sum(metrics(server)[f'nanoinfer:aborted_seqs_total{{engine="{r}"}}'] for r in (0, 1))
+    before, headers = num_aborted(), {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny", "prompt": [5] * 10, "max_tokens": 490, "ignore_eos": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", server + "/v1/completions", json=body, headers=headers) as response:
+            next(response.iter_lines())   # a token came: now go away
+    else:
+        with pytest.raises(httpx.ReadTimeout):   # it waits for the whole answer: go away meanwhile
+            httpx.post(server + "/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(30, read=0.1))
+    for _ in range(200):
+        if num_aborted() > before:
             break
         time.sleep(0.05)
+    m = metrics(server)
+    assert num_aborted() == before + 1   # ended by the abort, not by running to its end
     assert all(m[f'nanoinfer:num_requests_running{{engine="{r}"}}'] == 0 for r in (0, 1))
     assert all(m[f'nanoinfer:kv_cache_usage_perc{{engine="{r}"}}'] == 0 for r in (0, 1))
 
@@ -162,7 +172,7 @@ def test_a_disconnect_frees_the_blocks(server):
     ("{not json", 400, None),
     ({"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, None),
-    ({"model": "tiny", "prompt": [5] * 300}, 400, "prompt"),
+    ({"model": "tiny", "prompt": [5] * 600}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
     ({"model": "other", "prompt": "x"}, 404, "model"),
@@ -180,14 +190,25 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
 
 def test_the_api_key_is_required(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
-        response = httpx.post(server + "/v1/completions", json={"prompt": "x"}, headers=headers)
-        assert response.status_code == 401 and response.json()["error"]["type"] == "AuthenticationError"
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            response = httpx.post(server + route, json={"prompt": "x"}, headers=headers)
+            assert response.status_code == 401 and response.json()["error"]["type"] == "AuthenticationError"
+        assert httpx.get(server + "/v1/models", headers=headers).status_code == 401
     assert httpx.get(server + "/health").status_code == 200   # not a /v1 route
 
 
+def test_an_unknown_route_gets_an_openai_error(server):
+    response = httpx.get(server + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 404 and response.json()["error"]["code"] == 404
+
+
 def test_a_killed_core_fails_its_requests_only(llama_dir):
-    proc, url = start_server(llama_dir, "--data-parallel-size", "2", "--max-model-len", "512")
+    proc, url = start_server(llama_dir, "--data-parallel-size", "2", "--skip-tokenizer-init")
     try:
+        for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                            ("/v1/completions", {"prompt": "text"})):   # no tokenizer: a clear 400
+            response = httpx.post(url + route, json=body)
+            assert response.status_code == 400 and "tokenizer" in response.json()["error"]["message"]
         body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
 
         async def one(client, started: asyncio.Event):
@@ -208,7 +229,7 @@ def test_a_killed_core_fails_its_requests_only(llama_dir):
         streams = asyncio.run(run())
         assert all(s[-1] == "data: [DONE]" for s in streams)
         failed = [s for s in streams if '"error"' in s[-2]]
-        assert failed and "engine core" in failed[0][-2]
+        assert failed and "engine core" in failed[0][-2] and "Traceback" not in failed[0][-2]
         assert httpx.get(url + "/health").status_code == 200   # the other core serves on
         ok = httpx.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
         assert ok.status_code == 200

@@ -5,16 +5,21 @@
 
 The front end runs in the caller's event loop: it tokenizes and validates the request
 (InputProcessor; a bad one raises ValueError at once), sends it to an engine core process
-(core_client.py), and gives the request a queue. The client's reader thread hands each step's
+(core_client.py), and gives the request a stream. The client's reader thread hands each step's
 token ids to the event loop, where the OutputProcessor detokenizes them and puts each request's
-RequestOutput in its queue (all front-end state is touched in the loop's thread only). A stop
+RequestOutput in its stream (all front-end state is touched in the loop's thread only). A stop
 string found here ends the sequence in the core too.
+
+A consumer that falls behind the engine (many streams, one event loop) does not fall further
+behind: the DELTA outputs that pile up in its stream are merged into one, so it gets fewer,
+larger outputs, and its work per step stays bounded.
 
 A request ends with a finished output, or an exception: EngineDeadError when its core died.
 Leaving the `async for` early (the client disconnected: the task is cancelled) aborts the
 request, which frees its blocks in the core at once.
 """
 import asyncio
+import logging
 import weakref
 from collections.abc import AsyncIterator
 
@@ -24,7 +29,34 @@ from nanoinfer.engine.input_processor import InputProcessor, PromptType
 from nanoinfer.engine.llm_engine import EngineDeadError, load_tokenizer
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.outputs import RequestOutput
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("nanoinfer")
+
+
+class RequestStream:
+    """One request's outputs on their way to its consumer: at most one waits, later DELTA outputs
+    merge into it (any other kind's newest replaces it); an exception ends the stream."""
+
+    def __init__(self, output_kind: RequestOutputKind):
+        self.merge = output_kind == RequestOutputKind.DELTA
+        self.output: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, out: RequestOutput | BaseException) -> None:
+        if self.merge and isinstance(self.output, RequestOutput) and isinstance(out, RequestOutput):
+            self.output.add(out)
+        elif not isinstance(self.output, BaseException):
+            self.output = out
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self.ready.wait()
+        self.ready.clear()
+        out, self.output = self.output, None
+        if isinstance(out, BaseException):
+            raise out
+        return out
 
 
 class AsyncLLM:
@@ -34,7 +66,7 @@ class AsyncLLM:
         self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(self.config.model)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, RequestStream] = {}
         self.loop: asyncio.AbstractEventLoop | None = None   # the caller's, from the first request on
         self.errors: dict[int, EngineDeadError] = {}   # the cores that died, and why
         self.client = EngineCoreClient(self.config, self.on_message, data_parallel_size)
@@ -48,48 +80,55 @@ class AsyncLLM:
         if len(self.errors) == len(self.client.conns):
             raise next(iter(self.errors.values()))
         self.output_processor.add_request(text, request)   # (ValueError if the id is in use)
-        queue = self.queues[request_id] = asyncio.Queue()
+        stream = self.streams[request_id] = RequestStream(request.params[0].output_kind)
         try:
             self.client.add_request(request)
-            while True:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise out
+            while not (out := await stream.get()).finished:
                 yield out
-                if out.finished:
-                    return
+            yield out
         finally:   # finished, failed, or left early (cancelled): nothing of it stays behind
-            if self.queues.get(request_id) is queue:   # (not a new request that reuses the id)
+            if self.streams.get(request_id) is stream:   # (not a new request that reuses the id)
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; an id no longer live is ignored."""
-        self.queues.pop(request_id, None)
+        self.streams.pop(request_id, None)
         if request_id in self.output_processor.requests:
             self.client.abort(request_id, self.output_processor.remove_request(request_id))
         self.client.finished(request_id)
 
     def on_message(self, rank: int, message: tuple) -> None:
         """From the client's reader thread: go on in the event loop's."""
-        if message[0] == "dead":
-            self.errors[rank] = EngineDeadError(f"engine core {rank} died: {message[1]}")
+        if message[0] == "dead":   # (its traceback is in the server's log: the client logged it)
+            reason = message[1].strip().splitlines()[-1] if message[1].strip() else "no reason given"
+            self.errors[rank] = EngineDeadError(f"engine core {rank} died ({reason})")
         if self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.process, rank, message)
 
     def process(self, rank: int, message: tuple) -> None:
         if message[0] == "dead":   # every request of that core fails
-            for request_id in [r for r, owner in self.client.owner.items() if owner == rank]:
-                if request_id in self.queues:
-                    self.queues[request_id].put_nowait(self.errors[rank])
+            self.fail([r for r, owner in self.client.owner.items() if owner == rank], self.errors[rank])
             return
-        outputs, stopped = self.output_processor.process_outputs(message[1])
+        try:
+            outputs, stopped = self.output_processor.process_outputs(message[1])
+        except Exception as e:   # a bug here must not leave the step's requests waiting forever
+            logger.exception("processing engine core %d's outputs failed", rank)
+            seqs = self.output_processor.seqs
+            self.fail({seqs[o.seq_id][0].request_id for o in message[1] if o.seq_id in seqs}, e)
+            return
         for seq_id, _ in stopped:   # ended by a stop string: the core has not seen that
             self.client.send(rank, ("abort", [seq_id]))
         for out in outputs:
-            if out.request_id in self.queues:
-                self.queues[out.request_id].put_nowait(out)
+            if out.request_id in self.streams:
+                self.streams[out.request_id].put(out)
             if out.finished:
                 self.client.finished(out.request_id)
+
+    def fail(self, request_ids, error: BaseException) -> None:
+        for request_id in list(request_ids):
+            if request_id in self.streams:
+                self.streams[request_id].put(error)
+            self.abort(request_id)
 
     def stats(self) -> list:
         """Each core's last SchedulerStats."""

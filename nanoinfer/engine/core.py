@@ -57,6 +57,8 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0   # of the blocks, the fraction in use
     prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache, in all
     prefix_cache_hits: int = 0      # ... and found there
+    num_requests_added: int = 0     # requests received, in all
+    num_aborted_seqs: int = 0       # sequences ended early: aborted, or by a stop string, in all
 
 
 class EngineCore:
@@ -74,6 +76,7 @@ class EngineCore:
                                                          config.eos_token_ids)
         self.in_flight: deque = deque()   # the outputs of launched steps (`get_output()` waits)
         self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for progress bars
+        self.num_requests_added = self.num_aborted_seqs = 0
         # The hundreds of thousands of objects start-up made (modules, the tokenizer, parameters) live
         # as long as the engine: take them out of the garbage collector's sight, so that its full
         # collections, which the step loop's allocations trigger now and then, stay short.
@@ -81,6 +84,7 @@ class EngineCore:
         gc.freeze()
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        self.num_requests_added += 1
         compiled = None if request.grammar is None else self.structured_output.compile(request.grammar)
         for seq_id, params in zip(request.seq_ids, request.params):
             seq = Sequence(seq_id, request.prompt_token_ids, params, request.max_tokens, self.config.block_size)
@@ -93,6 +97,7 @@ class EngineCore:
         for seq_id in seq_ids:
             if seq_id in self.scheduler.requests:
                 self.scheduler.finish(self.scheduler.requests[seq_id], "abort")
+                self.num_aborted_seqs += 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -121,7 +126,8 @@ class EngineCore:
         bm = self.scheduler.block_manager
         return SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting),
                               1 - bm.num_free_blocks / bm.num_blocks, bm.num_prefix_query_tokens,
-                              bm.num_prefix_hit_tokens)
+                              bm.num_prefix_hit_tokens, self.num_requests_added,
+                              self.num_aborted_seqs)
 
     def abort_all(self) -> None:
         """Abort every request. A step cut off half-way may have entered blocks in the prefix

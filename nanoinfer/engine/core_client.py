@@ -26,6 +26,7 @@ Data parallelism: N cores, each with its own GPUs (or the CPU). A new request go
 with the lowest 4 × waiting + running (as each last reported, plus what was sent to it since):
 the load balancer of vLLM's first version. A request's aborts go to the core that has it.
 """
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -35,9 +36,13 @@ import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
+import torch
+
 from nanoinfer.config import Config
 from nanoinfer.engine.core import EngineCore, EngineCoreRequest, SchedulerStats
 from nanoinfer.engine.llm_engine import EngineDeadError
+
+logger = logging.getLogger("nanoinfer")
 
 
 def run_engine_core(config: Config, conn) -> None:
@@ -78,6 +83,16 @@ def run_engine_core(config: Config, conn) -> None:
             core.shutdown()
 
 
+def core_gpus(data_parallel_size: int, tensor_parallel_size: int) -> list[str]:
+    """Each core's CUDA_VISIBLE_DEVICES: core r takes the r-th tp GPUs of those this process sees."""
+    visible, tp = os.environ.get("CUDA_VISIBLE_DEVICES"), tensor_parallel_size
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if len(gpus) < data_parallel_size * tp:
+        raise ValueError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tp} needs "
+                         f"{data_parallel_size * tp} GPUs, {len(gpus)} are visible")
+    return [",".join(gpus[r * tp:(r + 1) * tp]) for r in range(data_parallel_size)]
+
+
 class EngineCoreClient:
     """Starts `data_parallel_size` core processes and talks to them. `on_message(rank, message)`
     is called from the client's reader thread for every message a core sends, and with
@@ -87,11 +102,11 @@ class EngineCoreClient:
         ctx = mp.get_context("spawn")   # (a weak reference: the reader thread must not keep the engine alive)
         self.on_message, self.conns, self.procs = weakref.WeakMethod(on_message), [], []
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = core_gpus(data_parallel_size, config.tensor_parallel_size) if config.device == "cuda" else None
         try:
             for rank in range(data_parallel_size):
-                if config.device == "cuda":   # rank r: GPUs [r * tp, (r + 1) * tp), read as the child starts
-                    tp = config.tensor_parallel_size
-                    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(rank * tp + i) for i in range(tp))
+                if gpus is not None:   # (read as the child starts)
+                    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank]
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=run_engine_core, args=(config, child), name=f"nanoinfer-core-{rank}")
                 proc.start()
@@ -117,7 +132,7 @@ class EngineCoreClient:
             self.shutdown()
             raise
         self.stats = [SchedulerStats() for _ in self.conns]
-        self.num_sent = [0] * len(self.conns)   # requests sent to each core since it last reported
+        self.num_sent = [0] * len(self.conns)   # requests sent to each core (its stats: received)
         self.owner: dict[str, int] = {}   # request_id -> the core that has it
         self.lock = threading.Lock()      # sending: from the front end's thread and the reader's
         self.reader = threading.Thread(target=self.read, name="nanoinfer-core-reader", daemon=True)
@@ -127,10 +142,15 @@ class EngineCoreClient:
         live = [r for r in range(len(self.conns)) if self.alive[r]]
         if not live:
             raise EngineDeadError("every engine core has died")
-        rank = min(live, key=lambda r: 4 * (self.stats[r].num_waiting + self.num_sent[r]) + self.stats[r].num_running)
+        rank = min(live, key=self.load)
         self.owner[request.request_id] = rank
         self.num_sent[rank] += 1
         self.send(rank, ("add", request))
+
+    def load(self, rank: int) -> int:
+        """4 x waiting + running, where waiting counts the requests still on their way to it."""
+        s = self.stats[rank]
+        return 4 * (s.num_waiting + self.num_sent[rank] - s.num_requests_added) + s.num_running
 
     def abort(self, request_id: str, seq_ids: list[int]) -> None:
         """Abort a request's sequences (or those that a stop string ended) in its core."""
@@ -151,6 +171,17 @@ class EngineCoreClient:
 
     def read(self) -> None:
         """The reader thread: every core's messages to `on_message`, and any core's death."""
+        try:
+            self.read_messages()
+        except BaseException:   # (a bug): the cores are dead to the front end, which must hear it
+            reason = f"the front end's reader failed:\n{traceback.format_exc()}"
+            logger.error(reason)
+            for rank in [r for r in range(len(self.conns)) if self.alive[r]]:
+                self.alive[rank] = False
+                if (on_message := self.on_message()) is not None:
+                    on_message(rank, ("dead", reason))
+
+    def read_messages(self) -> None:
         sources = {conn: rank for rank, conn in enumerate(self.conns)}
         sources |= {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
         while any(self.alive):
@@ -169,9 +200,10 @@ class EngineCoreClient:
                     self.procs[rank].join(1)
                     message = ("dead", f"its process ended (exit code {self.procs[rank].exitcode})")
                 if message[0] == "outputs":
-                    self.stats[rank], self.num_sent[rank] = message[2], 0
+                    self.stats[rank] = message[2]
                 elif message[0] == "dead":
                     self.alive[rank] = False
+                    logger.error("engine core %d died: %s", rank, message[1])
                 if (on_message := self.on_message()) is not None:
                     on_message(rank, message)
 

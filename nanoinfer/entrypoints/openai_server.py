@@ -10,16 +10,18 @@ RequestOutput becomes a chunk (streaming, DELTA outputs) or the final answer. A 
 away mid-stream cancels the handler's task, which aborts the request and frees its blocks.
 Errors have OpenAI's body, `{"error": {"message", "type", "param", "code"}}`.
 """
+import asyncio
 import json
 import time
 import uuid
 
 import prometheus_client as prom
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 
 from nanoinfer.engine.async_llm import AsyncLLM
 from nanoinfer.engine.llm_engine import EngineDeadError
@@ -81,9 +83,12 @@ class EngineCollector:
                     GaugeMetricFamily("nanoinfer:num_requests_waiting", "Sequences waiting", labels=["engine"]),
                     GaugeMetricFamily("nanoinfer:kv_cache_usage_perc", "KV-cache blocks in use (0-1)", labels=["engine"]),
                     CounterMetricFamily("nanoinfer:prefix_cache_queries", "Prompt tokens looked up", labels=["engine"]),
-                    CounterMetricFamily("nanoinfer:prefix_cache_hits", "Prompt tokens found", labels=["engine"])]
+                    CounterMetricFamily("nanoinfer:prefix_cache_hits", "Prompt tokens found", labels=["engine"]),
+                    CounterMetricFamily("nanoinfer:aborted_seqs", "Sequences ended early (abort, stop string)",
+                                        labels=["engine"])]
         for rank, s in enumerate(self.engine.stats()):
-            values = [s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits]
+            values = [s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
+                      s.num_aborted_seqs]
             for family, value in zip(families, values):
                 family.add_metric([str(rank)], value)
         yield from families
@@ -101,12 +106,16 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
     itl = prom.Histogram("nanoinfer:inter_token_latency_seconds", "Time between tokens", registry=registry,
                          buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56))
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1") and \
-                request.headers.get("Authorization") != f"Bearer {api_key}":
-            return JSONResponse(error_body(401, "missing or wrong API key"), 401)
-        return await call_next(request)
+    async def authenticate(request: Request):   # (a dependency of the /v1 routes: no per-chunk cost)
+        if api_key and request.headers.get("Authorization") != f"Bearer {api_key}":
+            raise APIError(401, "missing or wrong API key")
+    v1 = dict(dependencies=[Depends(authenticate)])
+
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        if tokenizer is None:
+            raise APIError(400, "text needs a tokenizer, and this server was started with --skip-tokenizer-init: "
+                                "send a completion's prompt as token ids")
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
@@ -120,6 +129,10 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
     async def api_error(request: Request, e: APIError):
         return JSONResponse(error_body(e.status, str(e), e.param), e.status)
 
+    @app.exception_handler(HTTPException)   # an unknown route or method
+    async def http_error(request: Request, e: HTTPException):
+        return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code)
+
     @app.get("/health")
     async def health():
         return Response(status_code=503 if len(engine.errors) == len(engine.client.conns) else 200)
@@ -128,80 +141,93 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
     async def metrics():
         return Response(prom.generate_latest(registry), media_type=prom.CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **v1)
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
                                             "owned_by": "nanoinfer", "max_model_len": max_model_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
+    @app.post("/v1/completions", **v1)
+    async def completions(request: CompletionRequest, raw: Request):
         if isinstance(request.prompt, str):
-            prompt = {"prompt": request.prompt, "prompt_token_ids": tokenizer.encode(request.prompt)}
+            prompt = {"prompt": request.prompt, "prompt_token_ids": encode(request.prompt)}
         else:
             prompt = {"prompt_token_ids": request.prompt}
-        return await generate(request, prompt, chat=False)
+        return await generate(request, prompt, False, raw)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest):
+    @app.post("/v1/chat/completions", **v1)
+    async def chat_completions(request: ChatCompletionRequest, raw: Request):
+        encode("")   # (a 400 without a tokenizer)
         try:
             text = tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:   # a malformed conversation, or a template that refuses it
             raise APIError(400, f"messages: {e}", "messages") from e
-        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-        return await generate(request, prompt, chat=True)
+        prompt = {"prompt": text, "prompt_token_ids": encode(text, add_special_tokens=False)}
+        return await generate(request, prompt, True, raw)
 
-    async def generate(request, prompt: dict, chat: bool):
+    async def generate(request, prompt: dict, chat: bool, raw: Request):
         if request.model is not None and request.model != model_name:
             raise APIError(404, f"the model {request.model!r} does not exist (this server has {model_name!r})", "model")
         params = sampling_params(request, len(prompt["prompt_token_ids"]), chat, max_model_len)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outputs = engine.generate(prompt, params, request_id)
-        try:
-            first = await outputs.__anext__()
-        except ValueError as e:
-            raise APIError(400, str(e)) from e
-        except EngineDeadError as e:
-            raise APIError(500, str(e)) from e
         prompt_tokens.inc(len(prompt["prompt_token_ids"]))
         top_n = (request.top_logprobs or 0) if chat else request.logprobs
         chunk = Chunker(request_id, model_name, chat, len(prompt["prompt_token_ids"]), top_n)
 
-        async def all_outputs():   # with the metrics of the finished request
-            out = first
-            while True:
-                yield out
-                if out.finished:
-                    m, n = out.metrics, chunk.completion_tokens
-                    generation_tokens.inc(n)
-                    if m.first_token_time is not None:
-                        ttft.observe(m.first_token_time - m.arrival_time)
-                    if n > 1:
-                        itl.observe((m.last_token_time - m.first_token_time) / (n - 1))
-                    return
-                out = await outputs.__anext__()
-
-        if not request.stream:
+        async def all_outputs():   # the engine's errors as HTTP's; the metrics of the finished request
             try:
-                async for out in all_outputs():
-                    response = chunk.final(out)
+                async for out in outputs:
+                    yield out
+            except ValueError as e:   # (found before the request was queued)
+                raise APIError(400, str(e)) from e
             except EngineDeadError as e:
                 raise APIError(500, str(e)) from e
-            return response
+            finally:
+                await outputs.aclose()   # (left early: the client went away; this aborts it)
+            m, n = out.metrics, chunk.completion_tokens
+            generation_tokens.inc(n)
+            if m.first_token_time is not None:
+                ttft.observe(m.first_token_time - m.arrival_time)
+            if n > 1:
+                itl.observe((m.last_token_time - m.first_token_time) / (n - 1))
+
+        if not request.stream:   # the answer, unless the client goes away first (then: abort)
+            async def answer():
+                async for out in all_outputs():
+                    response = chunk.final(out)
+                return response
+            task, gone = asyncio.ensure_future(answer()), asyncio.ensure_future(disconnected(raw))
+            await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
+            if not task.done():
+                task.cancel()   # (this closes the request's stream: it is aborted)
+                return Response(status_code=499)
+            return task.result()
+
+        stream = all_outputs()
+        first = await stream.__anext__()   # (a bad request is still a 400, not an event)
 
         async def events():
             try:
-                async for out in all_outputs():
+                yield f"data: {json.dumps(chunk.delta(first))}\n\n"
+                async for out in stream:
                     yield f"data: {json.dumps(chunk.delta(out))}\n\n"
                 if (request.stream_options or {}).get("include_usage"):
                     yield f"data: {json.dumps(chunk.usage_chunk())}\n\n"
-            except EngineDeadError as e:
-                yield f"data: {json.dumps(error_body(500, str(e)))}\n\n"
+            except APIError as e:
+                yield f"data: {json.dumps(error_body(e.status, str(e)))}\n\n"
             finally:
-                await outputs.aclose()   # (left early: the client went away; this aborts it)
+                await stream.aclose()
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
+
+
+async def disconnected(raw: Request) -> None:
+    """Return once the client has gone away (the body was read: the next message says so)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 def sampling_params(request, prompt_len: int, chat: bool, max_model_len: int) -> SamplingParams:
@@ -274,9 +300,9 @@ class Chunker:
 
         def item(lp) -> dict:
             return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
-        return {"content": [item(next(iter(e.values()))) | {"top_logprobs": [item(lp) for lp in e.values()
-                                                                           if lp.rank <= self.top_n]}
-                            for e in entries]}
+        return {"content": [item(next(iter(e.values()))) | {"top_logprobs": [
+            item(lp) for lp in sorted(e.values(), key=lambda lp: lp.rank) if lp.rank <= self.top_n]}
+            for e in entries]}
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
