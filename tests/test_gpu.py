@@ -47,6 +47,32 @@ def test_engine_matches_transformers_on_gpu(model_dirs, family, enforce_eager):
     assert outs == [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in prompts]
 
 
+def test_async_llm_on_gpu_equals_offline(llama_dir):
+    """The engine core in its own process on the GPU: streamed tokens equal the offline engine's."""
+    import asyncio
+
+    from nanoinfer import RequestOutputKind
+    from nanoinfer.engine.async_llm import AsyncLLM
+    prompts, params = random_prompts([5, 30, 77, 120], seed=35), dict(temperature=0, max_tokens=32, ignore_eos=True)
+    engine = AsyncLLM(llama_dir, dtype="float32", max_model_len=256, max_num_seqs=64)
+    try:
+        async def one(i, prompt):
+            tokens = []
+            async for out in engine.generate(prompt, SamplingParams(**params, output_kind=RequestOutputKind.DELTA),
+                                             f"r{i}"):
+                tokens += out.outputs[0].token_ids
+            return tokens
+
+        async def run():
+            return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+        got = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    want = LLM(llama_dir, dtype="float32", max_model_len=256, max_num_seqs=64).generate(
+        prompts, SamplingParams(**params), use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in want]
+
+
 @pytest.mark.parametrize("num_seqs", [5, 8, 33])
 def test_cuda_graph_decode_equals_eager(llama_dir, num_seqs):
     prompts = random_prompts([random.Random(i).randint(1, 90) for i in range(num_seqs)], seed=33)
