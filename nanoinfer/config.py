@@ -56,11 +56,9 @@ class Config:
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
             self.max_model_len = model_len
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
-                     "tensor_parallel_size", "max_logprobs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (name != "max_logprobs"):
-                raise ValueError(f"{name} must be an integer >= {int(name != 'max_logprobs')}, got {value!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "tensor_parallel_size"):
+            check_int(name, getattr(self, name), 1)
+        check_int("max_logprobs", self.max_logprobs, 0)
         if self.max_model_len > model_len and os.environ.get("NANOINFER_ALLOW_LONG_MAX_MODEL_LEN") != "1":
             raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's context "
                              f"(max_position_embeddings={model_len}): outputs past it are likely wrong. Set "
@@ -150,9 +148,7 @@ class SpeculativeConfig:
             if spec.prompt_lookup_min is None:
                 spec.prompt_lookup_min = spec.prompt_lookup_max
             for key in ("prompt_lookup_max", "prompt_lookup_min"):
-                value = getattr(spec, key)
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+                check_int(key, getattr(spec, key), 1)
             if spec.prompt_lookup_min > spec.prompt_lookup_max:
                 raise ValueError(f"prompt_lookup_min={spec.prompt_lookup_min} is more than "
                                  f"prompt_lookup_max={spec.prompt_lookup_max}")
@@ -162,6 +158,11 @@ class SpeculativeConfig:
             if not isinstance(spec.model, str) or not os.path.isdir(spec.model):
                 raise ValueError(f"{spec.method} needs 'model': a folder with the draft head, got {spec.model!r}")
         return spec
+
+
+def check_int(name: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def load_hf_config(model: str) -> PretrainedConfig:

@@ -13,7 +13,7 @@ from nanoinfer.config import SpeculativeConfig
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.sampling_params import RequestOutputKind
 from nanoinfer.spec_decode.ngram_proposer import NgramProposer
-from nanoinfer.spec_decode.rejection_sampler import accept_drafts, rejection_sample
+from nanoinfer.spec_decode.rejection_sampler import accept_drafts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -256,6 +256,27 @@ def test_accept_drafts():
     drafts = torch.tensor([[5, 8, -1], [-1, -1, -1], [7, 7, 7]])
     out = accept_drafts(sampled, drafts, torch.tensor([2, 0, 3]))
     assert out.tolist() == [[5, 9, -1, -1], [4, -1, -1, -1], [7, 7, 7, 3]]
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_token_ids: torch.Tensor,
+                     generator: torch.Generator) -> list[int]:
+    """The rule with draft distributions (spec_decode/rejection_sampler.py), for one sequence.
+    target_probs: [k + 1, vocab]; draft_probs: [k, vocab]; draft_token_ids: [k] -> 1 to k + 1 tokens."""
+    k = len(draft_token_ids)
+    uniform = torch.rand(k, dtype=torch.float64, generator=generator)
+    race = torch.empty(target_probs.shape[1]).exponential_(generator=generator)
+    out = []
+    for j in range(k):
+        x = int(draft_token_ids[j])
+        p, q = target_probs[j], draft_probs[j]
+        if uniform[j] * q[x] < p[x]:   # u < p(x) / q(x), without dividing
+            out.append(x)
+            continue
+        residual = (p - q).clamp(min=0)
+        out.append(int((residual / race).argmax()))   # the exponential race draws from norm(residual)
+        return out
+    out.append(int((target_probs[k] / race).argmax()))
+    return out
 
 
 @pytest.mark.parametrize("case", ["random", "disjoint", "point_mass", "equal"])

@@ -1,11 +1,9 @@
 """The grammar's bitmask on the logits: every token whose bit is 0 gets -inf, in place.
 
-A mask is 32 tokens to an int32 word: token t is allowed when bit t % 32 of word t // 32 is set
-(structured_output/token_index.py). The masks stay on the device, one row per grammar state, in a
-table that grows as states are first used; a step sends only each logits row's row in the table
-(row 0 allows everything). One program takes `BLOCK` tokens of one logits row, reads their words
-from its mask and writes -inf where the bit is clear; allowed logits are not touched. On the CPU
-the same in torch, which is also the kernel's test oracle.
+Logits row r takes its mask from row `rows[r]` of the device's mask table (explained in
+structured_output/__init__.py); in a mask, token t is bit t % 32 of int32 word t // 32. One program
+takes `BLOCK` tokens of one logits row, reads their words and writes -inf where the bit is clear;
+allowed logits are untouched. On the CPU the same in torch, which is also the kernel's test oracle.
 """
 import torch
 import triton
@@ -33,7 +31,8 @@ def apply_token_bitmask_torch(logits: torch.Tensor, masks: torch.Tensor, rows: t
 def apply_token_bitmask_triton(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor,
                                block: int = 4096) -> None:
     grid = (logits.shape[0], triton.cdiv(logits.shape[1], block))
-    apply_bitmask_kernel[grid](logits, masks, rows, logits.shape[1], logits.stride(0), masks.stride(0), BLOCK=block)
+    apply_bitmask_kernel[grid](logits, masks, rows, logits.shape[1], logits.stride(0), masks.stride(0),
+                               BLOCK=block)
 
 
 def apply_token_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor) -> None:

@@ -2,7 +2,8 @@
 
 Checkpoint names are mapped to our parameters: `q_proj`/`k_proj`/`v_proj` go into the packed
 `qkv_proj` and `gate_proj`/`up_proj` into `gate_up_proj`, as numbered shards. Each parameter's
-own `weight_loader` copies this rank's slice, reading only that slice from the file. A tensor we have no place for, a parameter (or
+own `weight_loader` copies this rank's slice, reading only that slice from the file. A tensor we
+have no place for and do not skip (a model's `skipped_weights` are name prefixes), a parameter (or
 shard) nobody wrote, or a shape that does not fit is an error: silently random weights are the
 worst kind of bug.
 
@@ -28,14 +29,14 @@ def load_model(model: nn.Module, path: str) -> None:
         raise ValueError(f"no *.safetensors weights in {path!r}")
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {name: set() for name in params}
+    skipped = getattr(model, "skipped_weights", ())
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue   # a buffer some old checkpoints store; recomputed from the config
-                if name == "lm_head.weight" and model.tie_word_embeddings or name in getattr(
-                        model, "skipped_weights", ()):
-                    continue   # tied: the LM head is the embedding; or the model uses another's
+                if name == "lm_head.weight" and model.tie_word_embeddings or name.startswith(skipped):
+                    continue   # tied: the LM head is the embedding; or the model does without it
                 target, shard_id = name, None
                 for ckpt_name, (packed_name, packed_shard) in model.packed_modules_mapping.items():
                     if f".{ckpt_name}." in name:

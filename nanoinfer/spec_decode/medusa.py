@@ -13,30 +13,31 @@ false), and safetensors files with, for head i and block j:
     blocks.{i}.layers.{j}.bias     [hidden]          (with medusa_fc_bias)
     lm_heads.{i}.weight            [vocab, hidden]
 """
-import glob
 import json
 import os
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
+from nanoinfer.models.loader import load_model
 
-class MedusaHead(nn.Module):
 
-    def __init__(self, hidden_size: int, vocab_size: int, num_layers: int, bias: bool):
+class ResidualBlock(nn.Module):
+
+    def __init__(self, hidden_size: int, num_layers: int, bias: bool):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers))
-        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = x + F.silu(layer(x))
-        return self.lm_head(x)
+        return x
 
 
 class Medusa(nn.Module):
+    packed_modules_mapping: dict = {}
+    tie_word_embeddings = False
 
     def __init__(self, path: str, k: int, hidden_size: int, vocab_size: int):
         super().__init__()
@@ -48,26 +49,16 @@ class Medusa(nn.Module):
                              f"vocab_size={config.get('vocab_size')}; the model has {hidden_size}, {vocab_size}")
         if not isinstance(num_heads, int) or num_heads < k:
             raise ValueError(f"num_speculative_tokens={k} needs {k} Medusa heads; {path!r} has {num_heads}")
-        self.heads = nn.ModuleList(MedusaHead(hidden_size, vocab_size, num_layers, config.get("medusa_fc_bias", False))
-                                   for _ in range(k))
-        weights = {}
-        for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-            weights.update(load_file(file))
-        for i, head in enumerate(self.heads):
-            names = {f"layers.{j}.{p}": f"blocks.{i}.layers.{j}.{p}" for j in range(num_layers) for p in ("weight", "bias")}
-            names["lm_head.weight"] = f"lm_heads.{i}.weight"
-            for name, param in head.named_parameters():
-                if names[name] not in weights:
-                    raise ValueError(f"the Medusa heads in {path!r} lack {names[name]}")
-                loaded = weights[names[name]]
-                if loaded.shape != param.shape:
-                    raise ValueError(f"{names[name]} in {path!r} has shape {list(loaded.shape)}, "
-                                     f"expected {list(param.shape)}")
-                param.data.copy_(loaded)
+        bias = config.get("medusa_fc_bias", False)
+        self.blocks = nn.ModuleList(ResidualBlock(hidden_size, num_layers, bias) for _ in range(k))
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(k))
+        self.skipped_weights = tuple(f"{m}.{i}." for i in range(k, num_heads) for m in ("blocks", "lm_heads"))
+        load_model(self, path)   # the names above are the checkpoint's; heads beyond k are skipped
 
     def propose(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [seqs, hidden] -> drafts int64 [seqs, k]."""
-        return torch.stack([head(hidden_states).argmax(-1) for head in self.heads], dim=1)
+        return torch.stack([lm_head(block(hidden_states)).argmax(-1)
+                            for block, lm_head in zip(self.blocks, self.lm_heads)], dim=1)
 
 
 def read_config(path: str) -> dict:

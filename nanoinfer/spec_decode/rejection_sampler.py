@@ -18,17 +18,17 @@ seed per output index) and accepting while the sample equals the draft: the samp
 probability p(x), and given that it does not, it is a draw from p without x. The first differing
 sample is the recovered token, the last row's the bonus. Greedy rows are the T = 0 case (accept
 while the argmax agrees), and a seeded request emits the same tokens with or without speculation.
-
-`rejection_sample` is the rule for drafts that come with probabilities, in torch.
+(tests/test_spec_decode.py has the rule for drafts with probabilities, as the reference it checks.)
 """
 import torch
 
 
-def accept_drafts(sampled: torch.Tensor, draft_token_ids: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+def accept_drafts(sampled: torch.Tensor, draft_token_ids: torch.Tensor,
+                  num_drafts: torch.Tensor) -> torch.Tensor:
     """Point-mass drafts. sampled: int64 [rows], each sequence's k_i + 1 rows back to back;
     draft_token_ids: int64 [seqs, k] (k = the most drafts, padded with -1); num_drafts: [seqs].
     Returns int64 [seqs, k + 1]: the emitted tokens, then -1."""
-    num_seqs, k = draft_token_ids.shape
+    k = draft_token_ids.shape[1]
     start = torch.cumsum(num_drafts + 1, 0) - num_drafts - 1   # each sequence's first row
     cols = torch.arange(k + 1, device=sampled.device)
     index = (start.unsqueeze(1) + cols).clamp(max=len(sampled) - 1)
@@ -37,24 +37,3 @@ def accept_drafts(sampled: torch.Tensor, draft_token_ids: torch.Tensor, num_draf
     num_accepted = agree.long().cumprod(1).sum(1)
     return torch.where(cols <= num_accepted.unsqueeze(1), tokens, -1)
 
-
-def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_token_ids: torch.Tensor,
-                     generator: torch.Generator) -> torch.Tensor:
-    """The rule with draft distributions, for one sequence. target_probs: [k + 1, vocab];
-    draft_probs: [k, vocab]; draft_token_ids: [k]. Returns the emitted tokens (1 to k + 1)."""
-    k = len(draft_token_ids)
-    device = target_probs.device
-    uniform = torch.rand(k, dtype=torch.float64, generator=generator, device=device)
-    race = torch.empty(target_probs.shape[1], device=device).exponential_(generator=generator)
-    out = []
-    for j in range(k):
-        x = int(draft_token_ids[j])
-        p, q = target_probs[j], draft_probs[j]
-        if uniform[j] * q[x] < p[x]:   # u < p(x) / q(x), without dividing
-            out.append(x)
-            continue
-        residual = (p - q).clamp(min=0)
-        out.append(int((residual / race).argmax()))   # the exponential race draws from norm(residual)
-        return out
-    out.append(int((target_probs[k] / race).argmax()))
-    return out

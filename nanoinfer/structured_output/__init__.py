@@ -5,20 +5,21 @@ The pipeline, per request:
 1. `add_request`: the constraint becomes a regex (json_schema.py; choices are an alternation of
    escaped literals) and is parsed at once, so an unsupported feature is a ValueError there;
 2. a background thread compiles it: the regex's DFA over bytes (regex.py) and, against the
-   tokenizer's vocabulary, the tokens of its start state (token_index.py); a second one then
-   works out the other states' tokens ahead of need. Meanwhile the request
-   waits in WAITING_FOR_FSM and the scheduler takes the requests behind it, so no compilation
-   ever holds up a step. Compiled grammars are cached by regex;
+   tokenizer's vocabulary, the tokens of its start state (token_index.py); a second one then works
+   out the other states' tokens ahead of need. Meanwhile the request waits in WAITING_FOR_FSM and
+   the scheduler takes the requests behind it, so no compilation ever holds up a step. Compiled
+   grammars are cached by regex;
 3. each step, for each constrained request that samples, the bitmask of its DFA state (and with
    drafts, of the state after each draft: one row per sample row) is applied on the device, which
    sets every token outside it to -inf before sampling (kernels/bitmask.py). The masks (19 KB
    each at a 151,936-token vocabulary) are sent once: the device keeps a table of them, one row
-   per (grammar, state) seen, and a step's message (`GrammarOutput`) names rows of it;
+   per (grammar, state) seen, row 0 allowing every token, and starts it again when it is full; a
+   step's message (`GrammarOutput`) names rows of it and brings only the new ones;
 4. each token the request emits advances its state (`Grammar.accept`); drafts are cut at the
    first one the grammar does not allow, which could never have been accepted.
 The state lives with the request in the scheduler, so preemption keeps it. With async scheduling
 the bitmask of step N + 1 needs step N's token: the engine then launches step N + 1's forward,
-waits for step N's tokens, advances the states, and only then samples (LLMEngine._step).
+waits for step N's tokens, advances the states, and only then samples (`EngineCore.step`).
 """
 import functools
 import re
@@ -52,21 +53,17 @@ class Grammar:
     def accept(self, token_id: int) -> None:
         self.state = self.index.advance(self.state, token_id)
 
-    def valid_drafts(self, drafts: list[int]) -> list[int]:
-        """The drafts up to the first one the grammar does not allow."""
-        state = self.state
-        for i, token_id in enumerate(drafts):
-            state = self.index.advance(state, token_id)
-            if state == 0:
-                return drafts[:i]
-        return drafts
-
     def states(self, drafts: list[int]) -> list[int]:
         """The state now and after each draft."""
         states = [self.state]
         for token_id in drafts:
             states.append(self.index.advance(states[-1], token_id))
         return states
+
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The drafts up to the first one the grammar does not allow."""
+        after = self.states(drafts)[1:]
+        return drafts[:after.index(0)] if 0 in after else drafts
 
 
 def guided_regex(params: GuidedDecodingParams) -> str:
@@ -93,7 +90,7 @@ class StructuredOutputManager:
         self.vocab: Vocabulary | None = None   # made on first use, in the thread
         self.indexes: dict[str, TokenIndex] = {}
         self.evicted: list[TokenIndex] = []   # left the cache (by the compile thread)
-        # the device's mask table: (grammar, state) -> its row; row 0 allows every token
+        # (grammar, state) -> its row in the device's mask table (row 0 allows every token)
         self.rows: dict[tuple[TokenIndex, int], int] = {}
         self.next_row = 1
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-grammar")
@@ -152,7 +149,8 @@ class StructuredOutputManager:
     @staticmethod
     def wait_for_compilation(waiting) -> None:
         """Nothing to run but grammars compiling: wait for one a little, rather than spin."""
-        compiling = [seq.grammar.compiled for seq in waiting if seq.grammar is not None and seq.grammar.index is None]
+        compiling = [seq.grammar.compiled for seq in waiting
+                     if seq.grammar is not None and seq.grammar.index is None]
         if compiling:
             wait(compiling, timeout=0.05, return_when=FIRST_COMPLETED)
 

@@ -21,6 +21,7 @@ import re
 from nanoinfer.structured_output.regex import parse, to_regex
 
 WS = "[ ]?"
+SEP = "," + WS
 STRING_CHAR = r'([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 STRING = f'"{STRING_CHAR}*"'
 INTEGER = r"-?(0|[1-9][0-9]*)"
@@ -39,12 +40,12 @@ def literal(value) -> str:
     return re.escape(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 
-def repeat(item: str, lo: int, hi: int | None, sep: str = "," + WS) -> str:
-    """lo to hi (None: any number) of `item`, separated by `sep`."""
+def repeat(item: str, lo: int, hi: int | None) -> str:
+    """lo to hi (None: any number) of `item`, separated by commas."""
     if hi == 0:
         return ""
     count = f"{{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
-    more = f"({sep}{item})" + ("*" if hi is None and lo <= 1 else count)
+    more = f"({SEP}{item})" + ("*" if hi is None and lo <= 1 else count)
     return f"({item}{more})" + ("?" if lo == 0 else "")
 
 
@@ -117,10 +118,9 @@ class SchemaCompiler:
         if missing:
             raise ValueError(f"required property {sorted(missing)[0]!r} is not in 'properties'")
         parts = [(literal(name) + ":" + WS + self.compile(sub), name in required) for name, sub in props]
-        sep = "," + WS
 
         def after(i: int) -> str:   # properties i.. when one was written before them
-            return "".join(f"{sep}{p}" if req else f"({sep}{p})?" for p, req in parts[i:])
+            return "".join(f"{SEP}{p}" if req else f"({SEP}{p})?" for p, req in parts[i:])
 
         def first(i: int) -> str:   # properties i.. when none was written yet
             if i == len(parts):

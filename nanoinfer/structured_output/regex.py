@@ -23,6 +23,7 @@ a ValueError naming them, and so is a pattern whose repeats unroll into more tha
 parts (checked when it is parsed, before anything is built) or whose DFA has more than
 `MAX_STATES` states.
 """
+import functools
 import re
 
 import numpy as np
@@ -208,9 +209,6 @@ class DFA:
             state = self.walk_table[state][self.byte_classes[b]]
         return state
 
-    def fullmatch(self, text: str) -> bool:
-        return bool(self.accepting[self.walk(self.start, text.encode())])
-
 
 def compile_regex(pattern: str) -> DFA:
     nfa = NFA()
@@ -222,9 +220,9 @@ def compile_regex(pattern: str) -> DFA:
         for lo, hi, t in edges:
             for c in range(byte_class[lo], byte_class[hi] + 1):
                 moves[s].setdefault(c, set()).add(t)
-    closures = {}
 
-    def closure(states) -> frozenset:
+    @functools.cache
+    def closure(states: frozenset) -> frozenset:
         stack, seen = list(states), set(states)
         while stack:
             for t in nfa.eps[stack.pop()]:
@@ -233,7 +231,7 @@ def compile_regex(pattern: str) -> DFA:
                     stack.append(t)
         return frozenset(seen)
 
-    dead, start = frozenset(), closure([0])
+    dead, start = frozenset(), closure(frozenset([0]))
     index, order, rows = {dead: 0, start: 1}, [dead, start], []
     while len(rows) < len(order):
         targets = {}
@@ -242,10 +240,7 @@ def compile_regex(pattern: str) -> DFA:
                 targets.setdefault(c, set()).update(ts)
         row = [0] * (len(cuts) - 1)
         for c, ts in targets.items():
-            key = frozenset(ts)
-            if key not in closures:
-                closures[key] = closure(ts)
-            target = closures[key]
+            target = closure(frozenset(ts))
             if target not in index:
                 if len(order) >= MAX_STATES:
                     raise ValueError(f"the regex {pattern[:80]!r} needs more than {MAX_STATES} DFA states")
@@ -253,9 +248,7 @@ def compile_regex(pattern: str) -> DFA:
                 order.append(target)
             row[c] = index[target]
         rows.append(row)
-    table = np.array(rows, np.int32)
-    accepting = np.array([accept in s for s in order])
-    table, accepting = minimize(table, accepting)
+    table, accepting = minimize(np.array(rows, np.int32), np.array([accept in s for s in order]))
     return DFA(table, byte_class, accepting)
 
 

@@ -10,8 +10,8 @@ allows EOS alone. (A vocabulary without every single byte as a token can leave a
 token leaves: there EOS is allowed, ending the request rather than breaking the constraint.)
 
 The result is a bitmask, 32 tokens to an int32 word (bit t % 32 of word t // 32 is token t),
-what the sampler receives. A background thread computes every reachable state's bitmask after
-the grammar compiles, nearest states first; a state reached before that is computed on the spot.
+what the sampler receives. Once the grammar compiles, a background thread computes the bitmasks
+of the states nearest the start (`warm`); a state reached before then is computed on the spot.
 
 The vocabulary's bytes: byte-level BPE tokens (GPT-2, Llama 3, Qwen, SmolLM) spell bytes with
 printable stand-in characters, which map back; SentencePiece tokens spell a space as '▁' and raw
