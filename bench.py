@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
@@ -277,42 +278,44 @@ def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, 
 
 async def stream_completion(host: str, port: int, body: dict) -> dict:
     """One streamed /v1/completions request over a raw HTTP/1.1 connection: when it was sent,
-    when each of its chunks came, its usage, and the error, if it got one."""
-    reader, writer = await asyncio.open_connection(host, port)
-    data = json.dumps(body).encode()
-    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+    when each of its chunks came, its usage, and the error, if it got one (a stream that ends
+    without `data: [DONE]` is one)."""
     result = {"sent": time.perf_counter(), "chunks": [], "usage": None, "error": None}
-    status = (await reader.readline()).split()[1]
-    chunked = False
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        chunked |= line.lower() == b"transfer-encoding: chunked\r\n"
-    buffer = b""
-    while True:   # server-sent events, each "data: {json}\n\n", in chunked transfer encoding
-        if chunked:
-            size = int(await reader.readline(), 16)
-            part = (await reader.readexactly(size + 2))[:-2]
-        else:
-            part = await reader.read(1 << 16)
-        if not part:
-            break
-        buffer += part
-        *events, buffer = buffer.split(b"\n\n")
-        now = time.perf_counter()
-        for event in events:
-            if status != b"200" or event == b"data: [DONE]":
-                result["error"] = result["error"] or (None if status == b"200" else event.decode())
-                continue
-            message = json.loads(event.removeprefix(b"data: "))
-            if "error" in message:
-                result["error"] = message["error"]["message"]
-            elif message["choices"]:
-                result["chunks"].append(now)
-            elif message.get("usage"):
-                result["usage"] = message["usage"]
-    if status != b"200" and result["error"] is None:
-        result["error"] = f"HTTP {status.decode()}: {buffer.decode()}"
-    writer.close()
+    writer = None
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+        data = json.dumps(body).encode()
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        status, chunked, buffer, done = (await reader.readline()).split(b" ")[1], False, b"", False
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            chunked |= line.lower() == b"transfer-encoding: chunked\r\n"
+        while True:   # server-sent events, each "data: {json}\n\n", in chunked transfer encoding
+            part = (await reader.readexactly(int(await reader.readline(), 16) + 2))[:-2] if chunked \
+                else await reader.read(1 << 16)
+            if not part:
+                break
+            buffer += part
+            *events, buffer = buffer.split(b"\n\n")
+            now = time.perf_counter()
+            for event in events if status == b"200" else ():
+                done |= event == b"data: [DONE]"
+                message = {} if done else json.loads(event.removeprefix(b"data: "))
+                if "error" in message:
+                    result["error"] = message["error"]["message"]
+                elif message.get("choices"):
+                    result["chunks"].append(now)
+                elif message.get("usage"):
+                    result["usage"] = message["usage"]
+        if status != b"200":
+            result["error"] = f"HTTP {status.decode()}: {buffer.decode()}"
+        elif not done and result["error"] is None:
+            result["error"] = "the stream ended without [DONE]"
+    except (OSError, ValueError, IndexError, asyncio.IncompleteReadError) as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if writer is not None:
+            writer.close()
     return result
 
 
@@ -330,21 +333,25 @@ def start_server(model: str, engine_kwargs: dict, data_parallel_size: int) -> tu
         elif value is not None:
             cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     proc, url = subprocess.Popen(cmd), f"http://127.0.0.1:{port}"
-    while True:
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
         try:
-            if urllib.request.urlopen(url + "/health").status == 200:
+            if urllib.request.urlopen(url + "/health", timeout=10).status == 200:
                 return proc, url
         except OSError:
             if proc.poll() is not None:
                 raise SystemExit(f"the server exited with code {proc.returncode}")
             time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("the server did not answer /health in 10 minutes")
 
 
 def serve(url: str, prompts: list[list[int]], params: list[SamplingParams], rates: list[float],
           max_concurrency: int | None, slo_ttft: float, slo_tpot: float) -> None:
     """Each rate in turn: the workload's requests arrive as a Poisson process (all at once for
     inf), at most `max_concurrency` of them in flight; the tokens come back streamed."""
-    host, port = url.removeprefix("http://").rstrip("/").split(":")
+    address = urllib.parse.urlsplit(url)
+    host, port = address.hostname, address.port or 80
 
     async def run(rate: float, tag: int) -> tuple[list[dict], float]:
         rng = random.Random(tag)
@@ -355,19 +362,20 @@ def serve(url: str, prompts: list[list[int]], params: list[SamplingParams], rate
         async def one(prompt: list[int], p: SamplingParams, arrival: float) -> dict:
             await asyncio.sleep(arrival)
             async with slots:
-                return await stream_completion(host, int(port), {
+                return await stream_completion(host, port, {
                     "prompt": [tag] + prompt[1:], "max_tokens": p.max_tokens, "temperature": p.temperature,
                     "ignore_eos": p.ignore_eos, "stream": True, "stream_options": {"include_usage": True}})
         start = time.perf_counter()
         results = await asyncio.gather(*[one(*x) for x in zip(prompts, params, arrivals)])
         return results, time.perf_counter() - start
 
-    asyncio.run(run(float("inf"), 10_000))   # warm-up: the first request of each shape compiles kernels
-    for i, rate in enumerate(rates):
-        results, elapsed = asyncio.run(run(rate, 10_001 + i))   # its own first token: no prefix-cache hits
-        failed = [r for r in results if r["error"] or not r["chunks"]]
+    for i, rate in enumerate([float("inf")] + rates):   # first a warm-up (kernels compile at first use)
+        results, elapsed = asyncio.run(run(rate, 10_000 + i))   # its own first token: no prefix-cache hits
+        failed = [r for r in results if r["error"] or not r["chunks"] or not r["usage"]]
         if failed:
             raise SystemExit(f"{len(failed)} requests failed, the first with: {failed[0]['error']}")
+        if i == 0:
+            continue
         ttft = [r["chunks"][0] - r["sent"] for r in results]
         e2e = [r["chunks"][-1] - r["sent"] for r in results]
         tokens = [r["usage"]["completion_tokens"] for r in results]
@@ -376,7 +384,7 @@ def serve(url: str, prompts: list[list[int]], params: list[SamplingParams], rate
         good = sum(t <= slo_ttft and (n == 1 or (e - t) / (n - 1) <= slo_tpot) for t, e, n in zip(ttft, e2e, tokens))
 
         def ms(xs: list[float]) -> str:
-            xs = sorted(xs)
+            xs = sorted(xs) or [float("nan")]
             return f"{1e3 * statistics.median(xs):,.1f} / {1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))]:,.1f} ms"
         print(f"rate {rate:g} req/s: {len(results)} requests in {elapsed:.2f} s: {len(results) / elapsed:.2f} req/s, "
               f"{sum(tokens) / elapsed:,.0f} output tok/s; median / p99: TTFT {ms(ttft)}, TPOT {ms(tpot)}, "

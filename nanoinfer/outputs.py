@@ -57,8 +57,11 @@ class RequestOutput:
             if c.index not in mine:
                 self.outputs.append(c)
                 continue
-            m = mine[c.index]
-            m.text, m.token_ids = m.text + c.text, m.token_ids + c.token_ids
-            m.logprobs = None if c.logprobs is None else m.logprobs + c.logprobs
+            m = mine[c.index]   # (its lists are its own: extended in place)
+            m.text += c.text
+            m.token_ids += c.token_ids
+            if m.logprobs is not None:
+                m.logprobs += c.logprobs
             m.cumulative_logprob, m.finish_reason, m.stop_reason = c.cumulative_logprob, c.finish_reason, c.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
         self.finished, self.num_cached_tokens, self.metrics = later.finished, later.num_cached_tokens, later.metrics

@@ -1,6 +1,7 @@
 """AsyncLLM over engine-core processes: streamed outputs equal the offline engine's, aborts free
 blocks, bad requests fail alone, data parallelism spreads the load, a dead core is an error."""
 import asyncio
+import threading
 import time
 
 import pytest
@@ -10,6 +11,7 @@ from nanoinfer import LLM, RequestOutputKind, SamplingParams
 from nanoinfer.engine.async_llm import AsyncLLM
 from nanoinfer.engine.core_client import core_gpus
 from nanoinfer.engine.llm_engine import EngineDeadError
+from nanoinfer.engine.output_processor import RequestState
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
@@ -79,22 +81,77 @@ def test_a_bad_request_fails_alone(engine):
     assert len(asyncio.run(run())) == 24
 
 
-def test_an_error_in_the_front_end_fails_the_requests_it_touched(engine, monkeypatch):
-    real, broken_once = engine.output_processor.process_outputs, []
+@pytest.mark.parametrize("where", ["a step", "a final output"])
+def test_an_error_in_the_front_end_fails_the_requests_it_touched(engine, monkeypatch, where):
+    broken_once = []
+    if where == "a step":   # before any of the step's outputs is processed
+        real = engine.output_processor.process_outputs
 
-    def broken(core_outputs):
-        if core_outputs and not broken_once:
-            broken_once.append(True)
-            raise RuntimeError("a bug in the front end")
-        return real(core_outputs)
-    monkeypatch.setattr(engine.output_processor, "process_outputs", broken)
+        def broken(core_outputs):
+            if core_outputs and not broken_once:
+                broken_once.append(True)
+                raise RuntimeError("a bug in the front end")
+            return real(core_outputs)
+        monkeypatch.setattr(engine.output_processor, "process_outputs", broken)
+    else:   # half-way: the finished request is already forgotten when it raises
+        real = RequestState.make_output
+
+        def broken(self, finished):
+            if finished and not broken_once:
+                broken_once.append(True)
+                raise RuntimeError("a bug in the front end")
+            return real(self, finished)
+        monkeypatch.setattr(RequestState, "make_output", broken)
 
     async def run():
         with pytest.raises(RuntimeError, match="a bug"):
-            await stream(engine, [5, 6, 7], GREEDY, "victim")
+            await asyncio.wait_for(stream(engine, [5, 6, 7], GREEDY, "victim"), 30)
         return await stream(engine, [5, 6, 7], GREEDY, "after")
     assert len(asyncio.run(run())) == 24   # the engine serves on
+    assert engine.output_processor.requests == {} and engine.streams == {}
     assert all(s.kv_cache_usage == 0 and s.num_running == 0 for s in wait_until_idle(engine))
+
+
+def test_abort_ends_the_stream(engine):
+    long = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def run():
+        outs = []
+        async for out in engine.generate([7] * 20, long, "to-abort"):
+            outs.append(out)
+            if len(outs) == 1:
+                engine.abort("to-abort")
+        return outs
+    outs = asyncio.run(asyncio.wait_for(run(), 30))
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert sum(len(o.outputs[0].token_ids) for o in outs) < 200
+    assert all(s.kv_cache_usage == 0 and s.num_running == 0 for s in wait_until_idle(engine))
+
+
+def test_a_core_that_stops_reading_holds_up_no_other(engine):
+    """Core 0's socket blocks (as when a core hangs): core 1's requests still finish meanwhile."""
+    conn, gate, done_while_closed = engine.client.conns[0], threading.Event(), []
+    send = conn.send
+    conn.send = lambda message: (gate.wait(10), send(message))
+    try:
+        async def one(i):
+            tokens = await stream(engine, [5, 6, 7 + i], GREEDY, f"blocked-{i}")
+            done_while_closed.append(not gate.is_set())
+            return tokens
+
+        async def run():
+            threading.Timer(3, gate.set).start()   # (from a thread: the event loop must not be needed)
+            return await asyncio.gather(*[one(i) for i in range(4)])   # spread over both cores
+        assert [len(t) for t in asyncio.run(run())] == [24] * 4
+    finally:
+        conn.send = send
+        gate.set()
+    assert any(done_while_closed)   # core 1's, before core 0's socket opened again
+
+
+def test_data_parallel_size_must_be_positive(llama_dir):
+    with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
+        AsyncLLM(llama_dir, data_parallel_size=0, max_model_len=256)
 
 
 def test_each_core_gets_its_own_gpus(monkeypatch):
@@ -133,8 +190,15 @@ def test_a_killed_core_is_an_error_not_a_hang(llama_dir):
             outputs = engine.generate([5, 6, 7], params, "victim")
             await outputs.__anext__()   # it runs
             engine.client.procs[0].kill()
-            with pytest.raises(EngineDeadError, match="engine core 0 died"):
-                await asyncio.wait_for(outputs.__anext__(), 30)
+
+            async def drain():   # (the outputs it sent before it died come first)
+                async for _ in outputs:
+                    pass
+            with pytest.raises(EngineDeadError, match="engine core 0 died") as first:
+                await asyncio.wait_for(drain(), 30)
+            with pytest.raises(EngineDeadError) as second:
+                await stream(engine, [5, 6], GREEDY, "again")
+            assert first.value is not second.value   # (each its own, with a traceback of its own)
             with pytest.raises(EngineDeadError):
                 await stream(engine, [5, 6], GREEDY, "after")
         asyncio.run(run())

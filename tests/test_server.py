@@ -176,6 +176,10 @@ def test_a_disconnect_aborts_the_request_and_frees_its_blocks(server, stream):
     ({"model": "tiny", "prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
     ({"model": "other", "prompt": "x"}, 404, "model"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": "x"}}, 400, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"anyOf": 5}}}}, 400, None),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {   # too many DFA states
+        "schema": {"type": "string", "pattern": "(a|b)*a(a|b){15}"}}}}, 400, "response_format"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, param):
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -194,12 +198,23 @@ def test_the_api_key_is_required(server):
             response = httpx.post(server + route, json={"prompt": "x"}, headers=headers)
             assert response.status_code == 401 and response.json()["error"]["type"] == "AuthenticationError"
         assert httpx.get(server + "/v1/models", headers=headers).status_code == 401
+        bad_body = httpx.post(server + "/v1/completions", content="{not json", headers=headers)
+        assert bad_body.status_code == 401   # the key is checked first
     assert httpx.get(server + "/health").status_code == 200   # not a /v1 route
 
 
 def test_an_unknown_route_gets_an_openai_error(server):
-    response = httpx.get(server + "/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"})
+    headers = {"Authorization": f"Bearer {KEY}"}
+    response = httpx.get(server + "/v1/nothing-here", headers=headers)
     assert response.status_code == 404 and response.json()["error"]["code"] == 404
+    response = httpx.get(server + "/v1/completions", headers=headers)
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+
+
+def test_chat_top_logprobs_need_logprobs(server):
+    body = {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
+    response = httpx.post(server + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
 
 
 def test_a_killed_core_fails_its_requests_only(llama_dir):

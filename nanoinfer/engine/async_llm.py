@@ -19,6 +19,7 @@ Leaving the `async for` early (the client disconnected: the task is cancelled) a
 request, which frees its blocks in the core at once.
 """
 import asyncio
+import copy
 import logging
 import weakref
 from collections.abc import AsyncIterator
@@ -78,7 +79,7 @@ class AsyncLLM:
         self.loop = asyncio.get_running_loop()
         text, request = self.input_processor.process(request_id, prompt, params)
         if len(self.errors) == len(self.client.conns):
-            raise next(iter(self.errors.values()))
+            raise copy.copy(next(iter(self.errors.values())))
         self.output_processor.add_request(text, request)   # (ValueError if the id is in use)
         stream = self.streams[request_id] = RequestStream(request.params[0].output_kind)
         try:
@@ -88,10 +89,16 @@ class AsyncLLM:
             yield out
         finally:   # finished, failed, or left early (cancelled): nothing of it stays behind
             if self.streams.get(request_id) is stream:   # (not a new request that reuses the id)
-                self.abort(request_id)
+                self.forget(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its blocks; an id no longer live is ignored."""
+        """Stop a request and free its blocks; its stream ends with an output whose unfinished
+        samples end with "abort". An id no longer live is ignored."""
+        if request_id in self.streams and request_id in self.output_processor.requests:
+            self.streams[request_id].put(self.output_processor.aborted_output(request_id))
+        self.forget(request_id)
+
+    def forget(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
         if request_id in self.output_processor.requests:
             self.client.abort(request_id, self.output_processor.remove_request(request_id))
@@ -99,36 +106,39 @@ class AsyncLLM:
 
     def on_message(self, rank: int, message: tuple) -> None:
         """From the client's reader thread: go on in the event loop's."""
-        if message[0] == "dead":   # (its traceback is in the server's log: the client logged it)
+        if message[0] == "dead" and rank not in self.errors:   # (its traceback is in the server's log)
             reason = message[1].strip().splitlines()[-1] if message[1].strip() else "no reason given"
             self.errors[rank] = EngineDeadError(f"engine core {rank} died ({reason})")
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.process, rank, message)
+        try:
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(self.process, rank, message)
+        except RuntimeError:   # the loop is closed: no request of it is left
+            pass
 
     def process(self, rank: int, message: tuple) -> None:
         if message[0] == "dead":   # every request of that core fails
             self.fail([r for r, owner in self.client.owner.items() if owner == rank], self.errors[rank])
             return
+        seqs = self.output_processor.seqs
+        touched = {seqs[o.seq_id][0].request_id for o in message[1] if o.seq_id in seqs}
         try:
             outputs, stopped = self.output_processor.process_outputs(message[1])
+            for seq_id, _ in stopped:   # ended by a stop string: the core has not seen that
+                self.client.send(rank, ("abort", [seq_id]))
+            for out in outputs:
+                if out.request_id in self.streams:
+                    self.streams[out.request_id].put(out)
+                if out.finished:
+                    self.client.finished(out.request_id)
         except Exception as e:   # a bug here must not leave the step's requests waiting forever
             logger.exception("processing engine core %d's outputs failed", rank)
-            seqs = self.output_processor.seqs
-            self.fail({seqs[o.seq_id][0].request_id for o in message[1] if o.seq_id in seqs}, e)
-            return
-        for seq_id, _ in stopped:   # ended by a stop string: the core has not seen that
-            self.client.send(rank, ("abort", [seq_id]))
-        for out in outputs:
-            if out.request_id in self.streams:
-                self.streams[out.request_id].put(out)
-            if out.finished:
-                self.client.finished(out.request_id)
+            self.fail(touched, e)
 
     def fail(self, request_ids, error: BaseException) -> None:
         for request_id in list(request_ids):
             if request_id in self.streams:
-                self.streams[request_id].put(error)
-            self.abort(request_id)
+                self.streams[request_id].put(copy.copy(error))   # (a copy each: tracebacks of their own)
+            self.forget(request_id)
 
     def stats(self) -> list:
         """Each core's last SchedulerStats."""

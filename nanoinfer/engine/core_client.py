@@ -17,10 +17,13 @@ process) at once, which data parallelism needs. A step's message is a few KB. (v
 and msgpack, for lower serialisation cost and to reach other machines.) The core never waits
 while it has work: between steps it takes the messages that have come; idle, it blocks on them.
 
+Each core's messages go through a queue of its own and a writer thread: a core that stops reading
+(a step that hangs) holds up neither the event loop nor the other cores.
+
 Failures: an exception in a core (at start-up or in a step) reaches the client as ("dead",
-traceback) and the process exits; a core killed outright is seen by its process handle. Either
-way the requests it held get an error, never silence. The core exits too when the front end's
-process goes away (its socket closes).
+traceback) and the process exits; a core killed outright is seen by its process handle (the
+messages it left are read first). Either way the requests it held get an error, never silence.
+The core exits too when the front end's process goes away (its socket closes).
 
 Data parallelism: N cores, each with its own GPUs (or the CPU). A new request goes to the core
 with the lowest 4 × waiting + running (as each last reported, plus what was sent to it since):
@@ -29,6 +32,7 @@ the load balancer of vLLM's first version. A request's aborts go to the core tha
 import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
 import threading
 import traceback
@@ -38,7 +42,7 @@ from multiprocessing.connection import wait
 
 import torch
 
-from nanoinfer.config import Config
+from nanoinfer.config import Config, check_int
 from nanoinfer.engine.core import EngineCore, EngineCoreRequest, SchedulerStats
 from nanoinfer.engine.llm_engine import EngineDeadError
 
@@ -99,6 +103,7 @@ class EngineCoreClient:
     ("dead", reason) when a core dies."""
 
     def __init__(self, config: Config, on_message: Callable, data_parallel_size: int = 1):
+        check_int("data_parallel_size", data_parallel_size, 1)
         ctx = mp.get_context("spawn")   # (a weak reference: the reader thread must not keep the engine alive)
         self.on_message, self.conns, self.procs = weakref.WeakMethod(on_message), [], []
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -119,6 +124,9 @@ class EngineCoreClient:
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = visible
         self.alive, self.closing, self.reader = [True] * data_parallel_size, False, None
+        self.outboxes = [queue.SimpleQueue() for _ in self.conns]   # each core's, for its writer thread
+        for rank in range(data_parallel_size):
+            threading.Thread(target=self.write, args=(rank,), name=f"nanoinfer-core-writer-{rank}", daemon=True).start()
         try:   # wait for every core to start (Ctrl-C meanwhile: stop them)
             for rank, conn in enumerate(self.conns):
                 try:
@@ -134,7 +142,6 @@ class EngineCoreClient:
         self.stats = [SchedulerStats() for _ in self.conns]
         self.num_sent = [0] * len(self.conns)   # requests sent to each core (its stats: received)
         self.owner: dict[str, int] = {}   # request_id -> the core that has it
-        self.lock = threading.Lock()      # sending: from the front end's thread and the reader's
         self.reader = threading.Thread(target=self.read, name="nanoinfer-core-reader", daemon=True)
         self.reader.start()
 
@@ -162,12 +169,15 @@ class EngineCoreClient:
         self.owner.pop(request_id, None)
 
     def send(self, rank: int, message) -> None:
-        if self.alive[rank]:
+        self.outboxes[rank].put(message)
+
+    def write(self, rank: int) -> None:
+        """A core's writer thread: its messages, in order, until None."""
+        while (message := self.outboxes[rank].get()) is not None:
             try:
-                with self.lock:
-                    self.conns[rank].send(message)
+                self.conns[rank].send(message)
             except OSError:   # it died: the reader reports that
-                pass
+                return
 
     def read(self) -> None:
         """The reader thread: every core's messages to `on_message`, and any core's death."""
@@ -185,36 +195,37 @@ class EngineCoreClient:
         sources = {conn: rank for rank, conn in enumerate(self.conns)}
         sources |= {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
         while any(self.alive):
-            ready = wait([s for s, r in sources.items() if self.alive[r]])
-            for source in ready:
+            for source in wait([s for s, r in sources.items() if self.alive[r]]):
                 rank = sources[source]
+                conn = self.conns[rank]
                 if self.closing:
                     return
                 if not self.alive[rank]:
                     continue
                 try:
-                    message = source.recv() if source in self.conns else None
-                except (EOFError, OSError):
-                    message = None
-                if message is None:   # its process ended without a word
-                    self.procs[rank].join(1)
-                    message = ("dead", f"its process ended (exit code {self.procs[rank].exitcode})")
-                if message[0] == "outputs":
-                    self.stats[rank] = message[2]
-                elif message[0] == "dead":
-                    self.alive[rank] = False
-                    logger.error("engine core %d died: %s", rank, message[1])
-                if (on_message := self.on_message()) is not None:
-                    on_message(rank, message)
+                    self.deliver(rank, conn.recv())
+                    while source is not conn and self.alive[rank]:   # its process ended: all it left
+                        self.deliver(rank, conn.recv())
+                except (EOFError, OSError):   # ... up to the end; if no word of why, say how it ended
+                    if self.alive[rank]:
+                        self.procs[rank].join(1)
+                        self.deliver(rank, ("dead", f"its process ended (exit code {self.procs[rank].exitcode})"))
+
+    def deliver(self, rank: int, message: tuple) -> None:
+        if message[0] == "outputs":
+            self.stats[rank] = message[2]
+        elif message[0] == "dead":
+            self.alive[rank] = False
+            logger.error("engine core %d died: %s", rank, message[1])
+        if (on_message := self.on_message()) is not None:
+            on_message(rank, message)
 
     def shutdown(self) -> None:
         """Stop every core (a last resort: kill it) and close the sockets. Idempotent."""
         self.closing = True
-        for conn in self.conns:
-            try:
-                conn.send(("shutdown", None))
-            except OSError:
-                pass
+        for outbox in self.outboxes:   # (after what was queued; then the writer stops)
+            outbox.put(("shutdown", None))
+            outbox.put(None)
         for proc in self.procs:
             proc.join(10)
             if proc.is_alive():

@@ -41,7 +41,10 @@ class InputProcessor:
         if params.guided_decoding is not None:
             if self.tokenizer is None:
                 raise ValueError("guided decoding needs a tokenizer; the engine was started with skip_tokenizer_init")
-            grammar = guided_regex(params.guided_decoding)
+            try:
+                grammar = guided_regex(params.guided_decoding)
+            except (TypeError, AttributeError, KeyError) as e:   # a keyword of the wrong type, say
+                raise ValueError(f"guided decoding: malformed constraint ({type(e).__name__}: {e})") from e
         max_tokens = params.max_tokens or self.config.max_model_len - len(token_ids)
         children = [params if params.seed is None else dataclasses.replace(params, seed=wrap64(params.seed + i))
                     for i in range(params.n)]   # the samples of n > 1: seeds seed, seed + 1, ...

@@ -131,6 +131,15 @@ class OutputProcessor:
         for seq_id, completion in zip(request.seq_ids, completions):
             self.seqs[seq_id] = state, completion
 
+    def aborted_output(self, request_id: str) -> RequestOutput:
+        """The request's last output, as if it were aborted now (its unfinished samples "abort")."""
+        state = self.requests[request_id]
+        for c in state.completions:
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
+                state.updated.add(c.index)
+        return state.make_output(finished=True)
+
     def remove_request(self, request_id: str) -> list[int]:
         """Forget a request (aborted); returns its sequences' ids."""
         state = self.requests.pop(request_id)

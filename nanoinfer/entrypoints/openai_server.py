@@ -12,11 +12,12 @@ Errors have OpenAI's body, `{"error": {"message", "type", "param", "code"}}`.
 """
 import asyncio
 import json
+import logging
 import time
 import uuid
 
 import prometheus_client as prom
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -26,6 +27,8 @@ from starlette.exceptions import HTTPException
 from nanoinfer.engine.async_llm import AsyncLLM
 from nanoinfer.engine.llm_engine import EngineDeadError
 from nanoinfer.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("nanoinfer")
 
 
 class SamplingFields(BaseModel):
@@ -68,8 +71,24 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    kind = {401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError"}.get(
+        status, "BadRequestError" if status < 500 else "InternalServerError")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class APIKeyMiddleware:
+    """Every /v1 route needs "Authorization: Bearer KEY", checked before the body is read. A plain
+    ASGI middleware: the app's responses pass through it untouched (Starlette's @app.middleware
+    would wrap every chunk of every stream)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and \
+                dict(scope["headers"]).get(b"authorization") != self.expected:
+            return await JSONResponse(error_body(401, "missing or wrong API key"), 401)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class EngineCollector:
@@ -106,10 +125,8 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
     itl = prom.Histogram("nanoinfer:inter_token_latency_seconds", "Time between tokens", registry=registry,
                          buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56))
 
-    async def authenticate(request: Request):   # (a dependency of the /v1 routes: no per-chunk cost)
-        if api_key and request.headers.get("Authorization") != f"Bearer {api_key}":
-            raise APIError(401, "missing or wrong API key")
-    v1 = dict(dependencies=[Depends(authenticate)])
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     def encode(text: str, add_special_tokens: bool = True) -> list[int]:
         if tokenizer is None:
@@ -131,7 +148,11 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
 
     @app.exception_handler(HTTPException)   # an unknown route or method
     async def http_error(request: Request, e: HTTPException):
-        return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code)
+        return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)   # a bug: still OpenAI's body (the traceback goes to the log)
+    async def internal_error(request: Request, e: Exception):
+        return JSONResponse(error_body(500, f"internal error ({type(e).__name__}); see the server's log"), 500)
 
     @app.get("/health")
     async def health():
@@ -141,12 +162,12 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
     async def metrics():
         return Response(prom.generate_latest(registry), media_type=prom.CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", **v1)
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
                                             "owned_by": "nanoinfer", "max_model_len": max_model_len}]}
 
-    @app.post("/v1/completions", **v1)
+    @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request):
         if isinstance(request.prompt, str):
             prompt = {"prompt": request.prompt, "prompt_token_ids": encode(request.prompt)}
@@ -154,7 +175,7 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
             prompt = {"prompt_token_ids": request.prompt}
         return await generate(request, prompt, False, raw)
 
-    @app.post("/v1/chat/completions", **v1)
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
         encode("")   # (a 400 without a tokenizer)
         try:
@@ -170,22 +191,32 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
         params = sampling_params(request, len(prompt["prompt_token_ids"]), chat, max_model_len)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         outputs = engine.generate(prompt, params, request_id)
-        prompt_tokens.inc(len(prompt["prompt_token_ids"]))
         top_n = (request.top_logprobs or 0) if chat else request.logprobs
         chunk = Chunker(request_id, model_name, chat, len(prompt["prompt_token_ids"]), top_n)
 
-        async def all_outputs():   # the engine's errors as HTTP's; the metrics of the finished request
+        async def all_outputs():   # the engine's errors as HTTP's; the request's metrics
+            out = None
             try:
                 async for out in outputs:
+                    c = out.outputs[0]
+                    if c.finish_reason == "abort" and isinstance(c.stop_reason, str):   # its grammar failed
+                        raise APIError(400, c.stop_reason, "response_format")
                     yield out
+            except APIError:
+                raise
             except ValueError as e:   # (found before the request was queued)
                 raise APIError(400, str(e)) from e
             except EngineDeadError as e:
                 raise APIError(500, str(e)) from e
+            except Exception as e:   # a bug
+                logger.exception("request %s failed", request_id)
+                raise APIError(500, f"internal error ({type(e).__name__}); see the server's log") from e
             finally:
                 await outputs.aclose()   # (left early: the client went away; this aborts it)
+                if out is not None:   # it was accepted
+                    prompt_tokens.inc(chunk.prompt_tokens)
+                    generation_tokens.inc(chunk.completion_tokens)
             m, n = out.metrics, chunk.completion_tokens
-            generation_tokens.inc(n)
             if m.first_token_time is not None:
                 ttft.observe(m.first_token_time - m.arrival_time)
             if n > 1:
@@ -196,16 +227,13 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
                 async for out in all_outputs():
                     response = chunk.final(out)
                 return response
-            task, gone = asyncio.ensure_future(answer()), asyncio.ensure_future(disconnected(raw))
-            await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-            gone.cancel()
-            if not task.done():
-                task.cancel()   # (this closes the request's stream: it is aborted)
-                return Response(status_code=499)
-            return task.result()
+            response = await until_disconnected(raw, answer())
+            return Response(status_code=499) if response is None else response
 
         stream = all_outputs()
-        first = await stream.__anext__()   # (a bad request is still a 400, not an event)
+        first = await until_disconnected(raw, stream.__anext__())   # (a bad request is still a 400)
+        if first is None:
+            return Response(status_code=499)
 
         async def events():
             try:
@@ -214,7 +242,10 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
                     yield f"data: {json.dumps(chunk.delta(out))}\n\n"
                 if (request.stream_options or {}).get("include_usage"):
                     yield f"data: {json.dumps(chunk.usage_chunk())}\n\n"
-            except APIError as e:
+            except Exception as e:   # (all_outputs' errors are APIErrors: anything else is a bug here)
+                if not isinstance(e, APIError):
+                    logger.exception("request %s failed", request_id)
+                    e = APIError(500, "internal error; see the server's log")
                 yield f"data: {json.dumps(error_body(e.status, str(e)))}\n\n"
             finally:
                 await stream.aclose()
@@ -228,6 +259,18 @@ async def disconnected(raw: Request) -> None:
     """Return once the client has gone away (the body was read: the next message says so)."""
     while (await raw.receive())["type"] != "http.disconnect":
         pass
+
+
+async def until_disconnected(raw: Request, awaitable):
+    """The awaitable's result; or None, and the awaitable cancelled, if the client goes away first."""
+    task, gone = asyncio.ensure_future(awaitable), asyncio.ensure_future(disconnected(raw))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:   # (also when this handler is itself cancelled)
+        gone.cancel()
+        if not task.done():
+            task.cancel()   # (this closes the request's stream: it is aborted)
+    return task.result() if task.done() and not task.cancelled() else None
 
 
 def sampling_params(request, prompt_len: int, chat: bool, max_model_len: int) -> SamplingParams:
@@ -246,13 +289,16 @@ def sampling_params(request, prompt_len: int, chat: bool, max_model_len: int) ->
     if fmt.get("type") == "json_object":
         guided = GuidedDecodingParams(json={"type": "object"})
     elif fmt.get("type") == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise APIError(400, "response_format json_schema needs json_schema.schema, an object", "response_format")
         guided = GuidedDecodingParams(json=schema)
     elif fmt.get("type") != "text":
         raise APIError(400, f"response_format type {fmt.get('type')!r} is not one of text, json_object, "
                             "json_schema", "response_format")
+    if chat and request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = request.logprobs if not chat else (request.top_logprobs or 0) if request.logprobs else None
     try:
         return SamplingParams(
@@ -292,10 +338,12 @@ class Chunker:
     def logprobs(self, entries) -> dict | None:
         if entries is None:
             return None
-        if not self.chat:
-            sampled = [next(iter(e.values())) for e in entries]
-            return {"tokens": [lp.decoded_token for lp in sampled], "token_logprobs": [lp.logprob for lp in sampled],
-                    "top_logprobs": [{lp.decoded_token: lp.logprob for lp in reversed(e.values())}   # (the first wins)
+        if not self.chat:   # (without a tokenizer a token is named by its id)
+            def name(t, lp):
+                return f"token_id:{t}" if lp.decoded_token is None else lp.decoded_token
+            sampled = [next(iter(e.items())) for e in entries]
+            return {"tokens": [name(*s) for s in sampled], "token_logprobs": [lp.logprob for _, lp in sampled],
+                    "top_logprobs": [{name(t, lp): lp.logprob for t, lp in reversed(e.items())}   # (the first wins)
                                      for e in entries]}
 
         def item(lp) -> dict:
