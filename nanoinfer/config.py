@@ -26,6 +26,7 @@ class Config:
     block_size: int = 16
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1      # stages, each a contiguous range of layers
     enforce_eager: bool = False          # no CUDA graphs
     async_scheduling: bool = True        # schedule step N+1 while step N runs
     dtype: str = "auto"                  # auto: float32 on CPU, the checkpoint's dtype on GPU
@@ -56,15 +57,16 @@ class Config:
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         if self.max_model_len is None:
             self.max_model_len = model_len
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "tensor_parallel_size",
+                     "pipeline_parallel_size"):
             check_int(name, getattr(self, name), 1)
         check_int("max_logprobs", self.max_logprobs, 0)
         if self.max_model_len > model_len and os.environ.get("NANOINFER_ALLOW_LONG_MAX_MODEL_LEN") != "1":
             raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's context "
                              f"(max_position_embeddings={model_len}): outputs past it are likely wrong. Set "
                              "NANOINFER_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it anyway")
-        if self.tensor_parallel_size > 1:
-            self.check_tensor_parallel()
+        if self.world_size > 1:
+            self.check_model_parallel()
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
@@ -72,12 +74,22 @@ class Config:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.speculative_config is not None:
+            if self.pipeline_parallel_size > 1:
+                raise ValueError("speculative decoding does not work with pipeline parallelism yet")
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
             self.async_scheduling = False   # the next step's drafts need this step's tokens on the host
 
-    def check_tensor_parallel(self) -> None:
-        """The model's sizes must split evenly over the ranks (KV heads may be replicated)."""
-        tp, hf = self.tensor_parallel_size, self.hf_config
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def check_model_parallel(self) -> None:
+        """The model's sizes must split evenly over the tensor-parallel ranks (KV heads may be
+        replicated), and each pipeline stage must get at least one layer."""
+        tp, pp, hf = self.tensor_parallel_size, self.pipeline_parallel_size, self.hf_config
+        if pp > hf.num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size={pp} is more than the model's "
+                             f"num_hidden_layers={hf.num_hidden_layers}")
         kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         for name, size in (("num_attention_heads", hf.num_attention_heads),
                            ("intermediate_size", getattr(hf, "intermediate_size", 0))):
@@ -86,18 +98,20 @@ class Config:
         if kv_heads % tp and tp % kv_heads:
             raise ValueError(f"tensor_parallel_size={tp} neither divides nor is a multiple of the model's "
                              f"num_key_value_heads={kv_heads}")
-        if self.device == "cuda" and torch.cuda.device_count() < tp:
-            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs, this machine has "
-                             f"{torch.cuda.device_count()}")
+        if self.device == "cuda" and torch.cuda.device_count() < self.world_size:
+            raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {self.world_size} "
+                             f"GPUs, this machine has {torch.cuda.device_count()}")
 
     @property
     def kv_cache_bytes_per_token(self) -> int:
-        """The keys and values of one token, in every layer, on one tensor-parallel rank."""
+        """The keys and values of one token, in every layer of the largest stage, on one rank."""
         hf = self.hf_config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         num_kv_heads = max(1, num_kv_heads // self.tensor_parallel_size)   # (replicated beyond one a rank)
-        num_layers = hf.num_hidden_layers + (self.speculative is not None and self.speculative.method == "eagle")
+        pp = self.pipeline_parallel_size
+        num_layers = max(len(stage_layers(hf.num_hidden_layers, pp, stage)) for stage in range(pp))
+        num_layers += self.speculative is not None and self.speculative.method == "eagle"
         return 2 * num_layers * num_kv_heads * head_dim * self.torch_dtype.itemsize
 
     @property
@@ -158,6 +172,15 @@ class SpeculativeConfig:
             if not isinstance(spec.model, str) or not os.path.isdir(spec.model):
                 raise ValueError(f"{spec.method} needs 'model': a folder with the draft head, got {spec.model!r}")
         return spec
+
+
+def stage_layers(num_layers: int, pipeline_parallel_size: int, stage: int) -> range:
+    """The layers of a pipeline stage: an even split, the remainder going to the stages before
+    the last (which also holds the final norm and the LM head). 7 layers in 3 stages: 2, 3, 2."""
+    sizes = [num_layers // pipeline_parallel_size] * pipeline_parallel_size
+    for i in range(num_layers % pipeline_parallel_size):
+        sizes[-2 - i] += 1
+    return range(sum(sizes[:stage]), sum(sizes[:stage + 1]))
 
 
 def check_int(name: str, value, minimum: int) -> None:

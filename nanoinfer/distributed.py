@@ -3,13 +3,18 @@
 torch.distributed's world holds every rank; inside it, each parallel dimension has groups of its
 own. The tensor-parallel group is the set of ranks that hold shards of the same layers: its
 collectives (the all-reduce after a row-parallel matmul, the gather of vocab-parallel logits to
-the first rank, the broadcast of its sampled tokens) run over it alone, never over the world, so
-that pipeline-parallel stages and data-parallel replicas can sit beside it in one world.
-`init_tensor_parallel(size)` cuts the world into groups of `size` consecutive ranks.
+the first rank, the broadcast of its sampled tokens) run over it alone, never over the world. The
+pipeline-parallel group is the set of ranks that hold the same shard of successive layer ranges,
+one rank per stage: a stage sends its hidden states to the next one point to point. With
+pipeline_parallel_size P and tensor_parallel_size T the world has P x T ranks, stage s being
+ranks [s T, (s + 1) T) (`init_model_parallel`):
+
+    T = 2, P = 2:   stage 0: ranks 0 1   (tensor-parallel groups: [0, 1] and [2, 3])
+                    stage 1: ranks 2 3   (pipeline-parallel groups: [0, 2] and [1, 3])
 
 The backend is NCCL on GPUs (one GPU a rank; its collectives are kernels on the GPU's stream, so
 they are captured in CUDA graphs like any other kernel) and gloo on the CPU. With one process
-(the default) the group has one rank and every collective is a no-op.
+(the default) every group has one rank and every collective is a no-op.
 """
 from datetime import timedelta
 
@@ -45,43 +50,70 @@ class GroupCoordinator:
             dist.broadcast(x, src=self.ranks[0], group=self.group)
         return x
 
+    @property
+    def is_first(self) -> bool:
+        return self.rank_in_group == 0
 
-_TP = GroupCoordinator([0])
+    @property
+    def is_last(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    def send_next(self, x: torch.Tensor) -> None:
+        """To the next rank of the group (the next pipeline stage)."""
+        dist.send(x.contiguous(), dst=self.ranks[self.rank_in_group + 1], group=self.group)
+
+    def recv_prev(self, x: torch.Tensor) -> torch.Tensor:
+        """From the previous rank of the group, into `x`."""
+        dist.recv(x, src=self.ranks[self.rank_in_group - 1], group=self.group)
+        return x
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, backend: str) -> GroupCoordinator:
-    """Join the world (rank `rank` of `world_size`) and form the tensor-parallel groups."""
+_TP = _PP = GroupCoordinator([0])
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
+                     tensor_parallel_size: int) -> None:
+    """Join the world (rank `rank` of `world_size`) and form the model-parallel groups."""
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     # a peer that has not joined in two minutes is gone (the default would wait half an hour)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(minutes=2))
-    return init_tensor_parallel(world_size)
+    init_model_parallel(tensor_parallel_size)
 
 
-def init_tensor_parallel(tensor_parallel_size: int) -> GroupCoordinator:
-    """Split the (initialised) world into tensor-parallel groups; returns this rank's."""
-    global _TP
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    if world_size % tensor_parallel_size:
-        raise ValueError(f"world size {world_size} is not divisible by tensor_parallel_size={tensor_parallel_size}")
-    for start in range(0, world_size, tensor_parallel_size):
-        ranks = list(range(start, start + tensor_parallel_size))
+def init_model_parallel(tensor_parallel_size: int) -> None:
+    """Split the (initialised) world into tensor-parallel groups of consecutive ranks and
+    pipeline-parallel groups across them (the world size over T is the number of stages)."""
+    global _TP, _PP
+    world_size, rank, tp = dist.get_world_size(), dist.get_rank(), tensor_parallel_size
+    if world_size % tp:
+        raise ValueError(f"world size {world_size} is not divisible by tensor_parallel_size={tp}")
+    for start in range(0, world_size, tp):   # tensor-parallel groups: a stage's consecutive ranks
+        ranks = list(range(start, start + tp))
         group = dist.new_group(ranks)   # every rank takes part in creating every group
         if rank in ranks:
             _TP = GroupCoordinator(ranks, group)
-    return _TP
+    for first in range(tp):   # pipeline-parallel groups: one rank of each stage
+        ranks = list(range(first, world_size, tp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            _PP = GroupCoordinator(ranks, group)
 
 
-def destroy_tensor_parallel() -> None:
-    global _TP
-    if _TP.group is not None:
-        dist.destroy_process_group(_TP.group)
-    _TP = GroupCoordinator([0])
+def destroy_model_parallel() -> None:
+    global _TP, _PP
+    for group in {_TP.group, _PP.group} - {None}:
+        dist.destroy_process_group(group)
+    _TP = _PP = GroupCoordinator([0])
 
 
 def get_tp_group() -> GroupCoordinator:
     return _TP
+
+
+def get_pp_group() -> GroupCoordinator:
+    return _PP
 
 
 def get_tp_size() -> int:

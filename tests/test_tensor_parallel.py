@@ -54,7 +54,7 @@ def test_greedy_matches_transformers(model_dirs, one_kv_head_dir, family):
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 12) for p in prompts]
 
 
-def engine_run(path: str, tp: int, async_scheduling: bool = True) -> tuple[list, int]:
+def engine_run(path: str, tp: int, async_scheduling: bool = True, pp: int = 1) -> tuple[list, int]:
     """Shared prefixes, 16-token chunks, a cache too small for all: greedy, seeded and unseeded
     requests with logprobs."""
     prefix = random_prompts([32], seed=3)[0]
@@ -63,7 +63,7 @@ def engine_run(path: str, tp: int, async_scheduling: bool = True) -> tuple[list,
               SamplingParams(temperature=1.0, top_p=0.9, seed=-3, max_tokens=12, ignore_eos=True)] * 2
     params[5] = SamplingParams(temperature=1.0, seed=5, max_tokens=12,   # guided: the bitmask reaches rank 0
                                guided_decoding=GuidedDecodingParams(regex="[a-z ]{4,30}"))
-    llm = LLM(path, tensor_parallel_size=tp, num_kvcache_blocks=10, max_model_len=128,
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_kvcache_blocks=10, max_model_len=128,
               max_num_batched_tokens=16, async_scheduling=async_scheduling)
     try:
         outputs = llm.generate(prompts[:1], params[:1], use_tqdm=False)   # the prefix enters the cache
@@ -186,7 +186,7 @@ def test_sizes_that_do_not_split(llama_dir):
     config.tensor_parallel_size = 2
     with pytest.raises(ValueError, match="tensor_parallel_size=2 neither divides nor is a multiple of the "
                                          "model's num_key_value_heads=3"):
-        config.check_tensor_parallel()
+        config.check_model_parallel()
 
 
 def read_all(queue: MessageQueue, out) -> None:

@@ -16,6 +16,14 @@ apply the token-level stops. With async scheduling (the default) the step's seco
 one step later: step N+1 is scheduled and launched while step N still runs on the GPU, and only
 then does the host wait for step N's tokens and process them. So the GPU never waits for the
 host's scheduling and input building, as long as those take less time than a step's kernels.
+
+Pipeline parallelism (P stages) keeps up to P steps in flight, vLLM V1's batch queue: step N+1
+enters the first stage while step N is in the second. Their sequences are disjoint: a sequence
+with a step in flight is not scheduled again until that step's tokens are back (the scheduler
+skips it), and a step holds at most max_num_seqs / P sequences, so that P steps share the running
+ones. This replaces async scheduling's overlap (a decode reading the token its previous step is
+still sampling, on the device), which would have each sequence wait for its own previous step.
+When everything runnable is in flight, a step only waits for the oldest one.
 """
 import atexit
 import gc
@@ -65,9 +73,9 @@ class EngineCore:
 
     def __init__(self, config: Config, tokenizer=None):
         self.config = config
-        # the model runs here (one process, one device) or on tensor-parallel ranks (executor/)
-        self.model_executor = ModelRunner(config) if config.tensor_parallel_size == 1 else MultiprocExecutor(config)
-        if config.tensor_parallel_size > 1:   # the workers stop with the core, or at interpreter exit
+        # the model runs here (one process, one device) or on model-parallel ranks (executor/)
+        self.model_executor = ModelRunner(config) if config.world_size == 1 else MultiprocExecutor(config)
+        if config.world_size > 1:   # the workers stop with the core, or at interpreter exit
             weakref.finalize(self, self.model_executor.shutdown)
         block_manager = BlockManager(self.model_executor.num_kvcache_blocks, config.block_size,
                                      config.enable_prefix_caching)
@@ -75,6 +83,8 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(tokenizer, config.hf_config.vocab_size,
                                                          config.eos_token_ids)
         self.in_flight: deque = deque()   # the outputs of launched steps (`get_output()` waits)
+        pp = config.pipeline_parallel_size   # steps left in flight: one per stage, or async scheduling's one
+        self.max_in_flight = pp if pp > 1 else int(config.async_scheduling)
         self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for progress bars
         self.num_requests_added = self.num_aborted_seqs = 0
         # The hundreds of thousands of objects start-up made (modules, the tokenizer, parameters) live
@@ -104,11 +114,15 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
-        self.model_executor.execute_model(sched)
         core_outputs, self.scheduler.unstepped_outputs = self.scheduler.unstepped_outputs, []
+        if self.scheduler.pipelined and not sched.num_scheduled_tokens and self.in_flight:
+            # everything runnable is in flight: wait for the oldest step (the ids go with the next)
+            self.scheduler.finished_seq_ids |= sched.finished_seq_ids | sched.preempted_seq_ids
+            return core_outputs + self.scheduler.update_from_output(self.in_flight.popleft().get_output())
+        self.model_executor.execute_model(sched)
         grammar = None
         if self.scheduler.has_guided(sched):   # their states must have seen the step in flight's tokens
-            while self.in_flight:
+            while self.in_flight and not self.scheduler.pipelined:   # (pipelined: none of theirs is)
                 core_outputs += self.scheduler.update_from_output(self.in_flight.popleft().get_output())
             grammar = self.structured_output.grammar_bitmask(self.scheduler.requests, sched)
         elif not sched.num_scheduled_tokens and self.scheduler.waiting and not self.in_flight:
@@ -117,7 +131,7 @@ class EngineCore:
         self.num_prefill_tokens = sum(n for n in sched.num_scheduled_tokens.values() if n > 1)
         self.num_decode_tokens = sum(1 for n in sched.num_scheduled_tokens.values() if n == 1)
         # async scheduling leaves the step just launched in flight and finishes the one before
-        keep = 1 if self.config.async_scheduling and sched.num_scheduled_tokens else 0
+        keep = self.max_in_flight if sched.num_scheduled_tokens else 0
         while len(self.in_flight) > keep:
             core_outputs += self.scheduler.update_from_output(self.in_flight.popleft().get_output())
         return core_outputs

@@ -8,7 +8,9 @@ it with one launch. A graph has fixed shapes and fixed addresses, so:
 - every input lives in a static buffer, copied in before each replay; a batch of n runs the
   smallest graph of at least n, and the padding rows write nowhere (slot -1) and attend to
   nothing (context length 0);
-- the block-table buffer is as wide as the longest sequence (max_model_len) can need.
+- the block-table buffer is as wide as the longest sequence (max_model_len) can need;
+- a pipeline stage's graphs also read the previous stage's hidden states and residual from static
+  buffers, and on every stage but the last leave their own in two more.
 """
 import torch
 
@@ -18,7 +20,7 @@ from nanoinfer.attention import AttentionMetadata, set_forward_context
 class CUDAGraphRunner:
 
     def __init__(self, model: torch.nn.Module, max_batch_size: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, first_stage: bool = True, last_stage: bool = True):
         self.batch_sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_batch_size + 1, 16), max_batch_size]
                                    if b <= max_batch_size})
         n = self.batch_sizes[-1]
@@ -27,19 +29,27 @@ class CUDAGraphRunner:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.context_lens, self.block_tables = zeros(n), zeros(n, max_blocks_per_seq)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.hidden_states = zeros(n, hidden_size, dtype=dtype)
+        pair = lambda: (zeros(n, hidden_size, dtype=dtype), zeros(n, hidden_size, dtype=dtype))  # noqa: E731
+        self.intermediate = None if first_stage else pair()   # the previous stage's (hidden, residual)
+        self.outputs = (zeros(n, hidden_size, dtype=dtype),) if last_stage else pair()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         for bs in reversed(self.batch_sizes):
             meta = self.metadata(bs)
             with set_forward_context(meta):
-                self.hidden_states[:bs] = model(self.input_ids[:bs], self.positions[:bs])   # warm-up, compiles
+                self.forward(model, bs)   # warm-up, compiles
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.hidden_states[:bs] = model(self.input_ids[:bs], self.positions[:bs])
+                    self.forward(model, bs)
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
+
+    def forward(self, model: torch.nn.Module, bs: int) -> None:
+        intermediate = None if self.intermediate is None else [t[:bs] for t in self.intermediate]
+        out = model(self.input_ids[:bs], self.positions[:bs], intermediate)
+        for buffer, t in zip(self.outputs, out if isinstance(out, tuple) else (out,)):
+            buffer[:bs] = t
 
     def metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q[:bs + 1], context_lens=self.context_lens[:bs],
@@ -49,7 +59,8 @@ class CUDAGraphRunner:
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return meta.max_seqlen_q == 1 and num_tokens <= self.batch_sizes[-1]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         n = input_ids.shape[0]
         bs = next(b for b in self.batch_sizes if b >= n)
         self.input_ids[:n] = input_ids
@@ -59,5 +70,7 @@ class CUDAGraphRunner:
         self.context_lens[:n] = meta.context_lens
         self.context_lens[n:bs] = 0
         self.block_tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
+        for buffer, t in zip(self.intermediate or (), intermediate or ()):
+            buffer[:n] = t
         self.graphs[bs].replay()
-        return self.hidden_states[:n]
+        return self.outputs[0][:n] if len(self.outputs) == 1 else tuple(t[:n] for t in self.outputs)

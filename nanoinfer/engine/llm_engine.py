@@ -81,7 +81,7 @@ class LLMEngine:
         try:
             outputs = self._step()
         except KeyboardInterrupt as e:   # the user stopped it: drop every request, keep the engine
-            if self.config.tensor_parallel_size == 1:
+            if self.config.world_size == 1:
                 self.error = None
                 self.abort_all()
                 raise

@@ -15,6 +15,11 @@ attention layer gets a view of its own slice. On a GPU its size is what is left 
 the largest step (`max_num_batched_tokens` tokens); pure-decode steps then replay CUDA graphs.
 Nothing here waits for the GPU: the sampled tokens come back through an
 `AsyncModelRunnerOutput`, and the next step's decodes take theirs on the device.
+
+A pipeline stage runs only its layers: every stage but the first receives the previous stage's
+hidden states and residual before its forward, every stage but the last sends its own after it,
+and only the last computes logits and samples (its first tensor-parallel rank is the driver, which
+returns the tokens).
 """
 import itertools
 
@@ -23,7 +28,7 @@ import torch.distributed as dist
 
 from nanoinfer.attention import AttentionMetadata, get_attn_backend, set_forward_context
 from nanoinfer.config import Config
-from nanoinfer.distributed import get_tp_group
+from nanoinfer.distributed import get_pp_group, get_tp_group
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.input_batch import InputBatch, StepInputs
 from nanoinfer.engine.messages import GrammarOutput, LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -82,6 +87,7 @@ class ModelRunner:
         if self.device.type == "cuda":   # under tensor parallelism, this rank's GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.tp_group = get_tp_group()   # this process's (a worker's: set up by the executor; else one rank)
+        self.pp_group = get_pp_group()
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         hf_config = config.hf_config
@@ -125,7 +131,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CUDAGraphRunner(
                 self.model, min(config.max_num_seqs, 512), -(-config.max_model_len // self.block_size),
-                hf_config.hidden_size, self.dtype, self.device)
+                hf_config.hidden_size, self.dtype, self.device, self.pp_group.is_first, self.pp_group.is_last)
             self.input_batch.max_flat_rows = self.graph_runner.batch_sizes[-1]
 
     def check_kv_cache_holds_max_model_len(self, kv_cache_bytes: float | None, bytes_per_token: int) -> int:
@@ -151,8 +157,10 @@ class ModelRunner:
         bytes_per_token = 2 * shape[0] * num_kv_heads * head_dim * self.dtype.itemsize   # this rank's heads
         num_blocks = self.check_kv_cache_holds_max_model_len(free_bytes, bytes_per_token)
         # every rank's cache must hold the blocks the scheduler hands out: take the smallest
-        num_blocks = int(self.tp_group.all_reduce(torch.tensor([num_blocks], device=self.device),
-                                                  op=dist.ReduceOp.MIN).item())
+        num_blocks = torch.tensor([num_blocks], device=self.device)
+        for group in (self.tp_group, self.pp_group):
+            group.all_reduce(num_blocks, op=dist.ReduceOp.MIN)
+        num_blocks = int(num_blocks.item())
         self.num_kvcache_blocks = num_blocks
         self.kv_cache = torch.empty(2, shape[0], num_blocks, *shape[1:], dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attn_layers):
@@ -178,10 +186,13 @@ class ModelRunner:
         before = torch.cuda.memory_allocated(self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         with set_forward_context(meta):
-            hidden_states = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions)
+            hidden_states = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions,
+                                       self.intermediate(num_tokens, torch.zeros))
         spec = self.config.speculative   # (k + 1 sample rows a sequence when speculating)
         rows = min(self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)), num_tokens)
-        logits = self.model.compute_logits(hidden_states[:rows])   # None on ranks other than the first
+        logits = None   # (ranks other than the last stage's first have none)
+        if self.pp_group.is_last:
+            logits = self.model.compute_logits(hidden_states[:rows])
         if logits is not None:
             self.sampler(logits.float(), SamplingMetadata(
                 temperatures=torch.ones(rows, device=self.device), top_ks=None,
@@ -194,6 +205,13 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         return total * self.config.gpu_memory_utilization - (total - free) - peak
+
+    def intermediate(self, num_tokens: int, make=torch.empty) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Buffers for the previous stage's hidden states and residual (None on the first stage)."""
+        if self.pp_group.is_first:
+            return None
+        shape = (num_tokens, self.config.hf_config.hidden_size)
+        return make(shape, dtype=self.dtype, device=self.device), make(shape, dtype=self.dtype, device=self.device)
 
     def reset(self) -> None:
         """Forget every request (the engine aborted them all)."""
@@ -210,12 +228,18 @@ class ModelRunner:
             return
         step = self.input_batch.prepare_inputs(sched)
         meta = step.attn_metadata
+        intermediate = self.intermediate(len(step.input_ids))
+        for t in intermediate or ():   # the previous stage's output
+            self.pp_group.recv_prev(t)
         if self.graph_runner is not None and self.graph_runner.can_run(meta, len(step.input_ids)):
-            hidden_states = self.graph_runner.run(step.input_ids, step.positions, meta)
+            hidden_states = self.graph_runner.run(step.input_ids, step.positions, meta, intermediate)
         else:
             with set_forward_context(meta):
-                hidden_states = self.model(step.input_ids, step.positions)
-        if step.sample_seq_ids:
+                hidden_states = self.model(step.input_ids, step.positions, intermediate)
+        if not self.pp_group.is_last:   # to the next stage; the last samples
+            for t in hidden_states:
+                self.pp_group.send_next(t)
+        elif step.sample_seq_ids:
             self.pending = step, self.model.compute_logits(hidden_states[step.logits_indices]), hidden_states
         elif isinstance(self.drafter, EagleProposer):   # a prompt chunk: its keys and values for EAGLE too
             empty = torch.empty(0, dtype=torch.int64, device=self.device)

@@ -22,6 +22,9 @@ max_tokens or max_model_len is not scheduled again.
 stop_token_ids, max_tokens, max_model_len) to each in order. A token sampled for a sequence that
 stopped (or was aborted) meanwhile is dropped.
 
+Pipeline parallelism (P stages, engine/core.py): a sequence with a step in flight is skipped, and
+a step takes at most max_num_seqs / P sequences, so that P steps in flight hold disjoint ones.
+
 Speculative decoding (spec_decode/): a decoding sequence's drafts are scheduled after its known
 tokens, in the same budget, trimmed so that the step cannot run past max_tokens or max_model_len.
 The step counts them as computed; `update_from_output` takes the rejected ones back off
@@ -55,6 +58,8 @@ class Scheduler:
 
     def __init__(self, config: Config, block_manager: BlockManager):
         self.max_num_seqs = config.max_num_seqs
+        self.pipelined = config.pipeline_parallel_size > 1
+        self.max_seqs_per_step = -(-config.max_num_seqs // config.pipeline_parallel_size)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.eos_token_ids = config.eos_token_ids
@@ -89,11 +94,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.num_scheduled_tokens) < self.max_seqs_per_step:
             seq = self.running[i]
             i += 1
-            if self.reaches_length_limit(seq):
-                continue   # its last token is in flight: it finishes when that arrives
+            if self.reaches_length_limit(seq) or (self.pipelined and seq.num_output_placeholders):
+                continue   # its last token is in flight (it finishes when that arrives), or (pipelined) its step
             drafts = self.drafts_that_fit(seq, budget) if seq.spec_token_ids else []
             num_new = min(seq.num_tokens_with_placeholders + len(drafts) - seq.num_computed_tokens, budget)
             new_blocks = None
@@ -118,7 +123,7 @@ class Scheduler:
 
         i = 0   # the first waiting sequence not passed over (its grammar still compiling)
         while (i < len(self.waiting) and budget > 0 and not out.preempted_seq_ids
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) < self.max_num_seqs and len(out.num_scheduled_tokens) < self.max_seqs_per_step):
             seq = self.waiting[i]
             if seq.status == SequenceStatus.WAITING_FOR_FSM and not self.grammar_ready(seq):
                 i += not seq.is_finished   # (a finished one left the queue)

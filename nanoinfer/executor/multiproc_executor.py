@@ -1,4 +1,5 @@
-"""Tensor parallelism's processes: the engine in the user's process, every rank in a worker.
+"""Tensor and pipeline parallelism's processes: the engine in the user's process, every rank in a
+worker.
 
 Every rank holds a shard of the model, a KV cache for its own KV heads, its own CUDA graphs and
 the same persistent batch, and runs the same forward; the collectives inside the forward (the
@@ -18,6 +19,12 @@ second queue, from a thread, once the GPU has them, so that it is already launch
       queue <- ("sample_tokens", grammar) -> runner.sample_tokens ... runner.sample_tokens
                                               sample; broadcast tokens --> next step's inputs
     get_output()  <-- responses <-- thread: tokens on the host
+
+With pipeline parallelism every rank still gets every call, and each stage's ranks work as above
+on their own layers, the hidden states going from stage to stage point to point (model_runner.py);
+the driver, which samples and answers, is the last stage's first rank. The engine keeps up to one
+step in flight per stage, over disjoint sequences (engine/core.py), so a stage starts the next
+step while the one after it still runs the last.
 
 Lifecycle. Workers are started with the spawn method and exit on "shutdown" (`shutdown()`, called
 by the engine, also when it is dropped or at interpreter exit), when the engine's process is
@@ -58,8 +65,8 @@ class MultiprocExecutor:
             raise RuntimeError("a tensor-parallel worker, importing the main script, was asked to start an "
                                "LLM itself: create it under `if __name__ == '__main__':` in your script")
         ctx = mp.get_context("spawn")
-        self.queue = MessageQueue(num_readers=config.tensor_parallel_size)   # calls, to every rank
-        self.responses = MessageQueue(num_readers=1)   # rank 0's outputs, to this process
+        self.queue = MessageQueue(num_readers=config.world_size)   # calls, to every rank
+        self.responses = MessageQueue(num_readers=1)   # the driver's outputs, to this process
         self.errors = ctx.SimpleQueue()   # a dying worker's (ValueError message or None, traceback)
         self.workers: list[mp.Process] = []
         self.failure: str | None = None   # why a worker died, once one has
@@ -68,14 +75,15 @@ class MultiprocExecutor:
         self.lock = threading.Lock()   # between shutdown() and the monitor thread
         init_method = f"tcp://127.0.0.1:{free_port()}"
         try:
-            for rank in range(config.tensor_parallel_size):
+            for rank in range(config.world_size):
                 self.workers.append(ctx.Process(target=worker_main, name=f"nanoinfer-tp{rank}", daemon=True,
                                                 args=(config, rank, init_method, self.queue,
-                                                      self.responses if rank == 0 else None, self.errors)))
+                                                      self.responses if rank == driver_rank(config) else None,
+                                                      self.errors)))
                 self.workers[-1].start()
             self.responses.as_reader(0)
             threading.Thread(target=self.monitor_workers, daemon=True).start()
-            self.num_kvcache_blocks = self.responses.dequeue(self.check_health)   # rank 0 is ready
+            self.num_kvcache_blocks = self.responses.dequeue(self.check_health)   # the driver is ready
         except BaseException as e:
             self.shutdown(graceful=False)
             if isinstance(e, WorkerDiedError) and self.setting_error is not None:
@@ -158,7 +166,7 @@ class MultiprocExecutor:
 
 
 class FutureOutput:
-    """A launched step's output, which rank 0 sends once its GPU has it."""
+    """A launched step's output, which the driver sends once its GPU has it."""
 
     def __init__(self, executor: MultiprocExecutor):
         self.executor = executor
@@ -175,20 +183,21 @@ def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
     calls.as_reader(rank)
     try:
-        distributed.init_distributed(rank, config.tensor_parallel_size, init_method, backend(config))
+        distributed.init_distributed(rank, config.world_size, init_method, backend(config),
+                                     config.tensor_parallel_size)
         # on a GPU a rank's host work is launching kernels: spare threads would only contend for
         # the cores (docs/BENCHMARKS.md: the eager prefill); on the CPU the ranks share them
-        torch.set_num_threads(max(1, os.cpu_count() // config.tensor_parallel_size)
-                              if config.device == "cpu" else 1)
+        torch.set_num_threads(max(1, os.cpu_count() // config.world_size) if config.device == "cpu" else 1)
         runner = ModelRunner(config)
-        outputs = queue.SimpleQueue()   # rank 0: launched steps' outputs, for the sender thread
-        if rank == 0:
+        outputs = queue.SimpleQueue()   # the driver: launched steps' outputs, for the sender thread
+        driver = rank == driver_rank(config)
+        if driver:
             responses.enqueue(runner.num_kvcache_blocks, check=lambda: None)
-            threading.Thread(target=send_outputs, args=(outputs, responses, errors), daemon=True).start()
+            threading.Thread(target=send_outputs, args=(outputs, responses, errors, rank), daemon=True).start()
         while (call := calls.dequeue(check=lambda: None))[0] != "shutdown":
             method, args = call
             result = getattr(runner, method)(*args)
-            if rank == 0 and method == "sample_tokens":
+            if driver and method == "sample_tokens":
                 outputs.put(result)
         if runner.device.type == "cuda":   # the last step's collectives finish on every rank
             torch.cuda.synchronize(runner.device)
@@ -197,12 +206,12 @@ def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue
     os._exit(0)   # the engine removes the shared memory: nothing to tear down here
 
 
-def send_outputs(outputs: queue.SimpleQueue, responses: MessageQueue, errors) -> None:
+def send_outputs(outputs: queue.SimpleQueue, responses: MessageQueue, errors, rank: int) -> None:
     try:
         while (output := outputs.get()) is not None:
             responses.enqueue(output.get_output(), check=lambda: None)   # waits for the GPU
     except BaseException as e:
-        report(errors, 0, e)
+        report(errors, rank, e)
 
 
 def report(errors, rank: int, error: BaseException) -> None:
@@ -220,6 +229,11 @@ def exit_with_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     os._exit(1)   # the engine's process is gone: nobody will send another step
+
+
+def driver_rank(config: Config) -> int:
+    """The rank that samples and sends the outputs: the last stage's first."""
+    return config.world_size - config.tensor_parallel_size
 
 
 def backend(config: Config) -> str:

@@ -8,10 +8,17 @@ The three differ in small ways, all read from the config:
 
 Tokens of all sequences in a step are one flat batch [num_tokens, hidden]: linear layers and
 norms do not care which sequence a token belongs to; only attention does, through the metadata.
+
+Under pipeline parallelism each stage builds only its own layers (the others are placeholders, so
+that parameter names stay the checkpoint's), the embedding on the first stage, the final norm and
+the LM head on the last; a stage's forward takes the previous stage's hidden states and residual
+and, on every stage but the last, returns its own for the next.
 """
 import torch
 from torch import nn
 
+from nanoinfer.config import stage_layers
+from nanoinfer.distributed import get_pp_group
 from nanoinfer.layers.activation import SiluAndMul
 from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -89,14 +96,21 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config, max_position: int):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, max_position) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        pp = get_pp_group()
+        self.stage = stage_layers(config.num_hidden_layers, pp.world_size, pp.rank_in_group)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if pp.is_first else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, max_position) if i in self.stage else nn.Identity()
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The final hidden states, or on a stage before the last: (hidden states, residual)."""
+        hidden_states, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        for layer in self.layers[self.stage.start:self.stage.stop]:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if self.norm is None:
+            return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -111,13 +125,23 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_position: int):
         super().__init__()
         self.model = LlamaModel(config, max_position)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        first, last = self.model.embed_tokens is not None, self.model.norm is not None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if last else None
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and first and last:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # the checkpoint's tensors of other stages are not read (a tied LM head off the first stage
+        # reads the embedding's)
+        tied_elsewhere = self.tie_word_embeddings and last and not first
+        self.skipped_weights = tuple(f"model.layers.{i}." for i in range(config.num_hidden_layers)
+                                     if i not in self.model.stage)
+        self.skipped_weights += ("model.embed_tokens.",) * (not first and not tied_elsewhere)
+        self.skipped_weights += ("model.norm.", "lm_head.") * (not last)
+        self.renamed_weights = {"model.embed_tokens.weight": "lm_head.weight"} if tied_elsewhere else {}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)

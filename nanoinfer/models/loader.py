@@ -37,7 +37,7 @@ def load_model(model: nn.Module, path: str) -> None:
                     continue   # a buffer some old checkpoints store; recomputed from the config
                 if name == "lm_head.weight" and model.tie_word_embeddings or name.startswith(skipped):
                     continue   # tied: the LM head is the embedding; or the model does without it
-                target, shard_id = name, None
+                target, shard_id = getattr(model, "renamed_weights", {}).get(name, name), None
                 for ckpt_name, (packed_name, packed_shard) in model.packed_modules_mapping.items():
                     if f".{ckpt_name}." in name:
                         target, shard_id = name.replace(ckpt_name, packed_name), packed_shard
