@@ -37,7 +37,9 @@ class Config:
     load_format: str = "auto"            # "dummy": random weights, only config.json is read
     skip_tokenizer_init: bool = False    # prompts are token ids, outputs carry no text
     speculative_config: dict | None = None   # vLLM's keys: see SpeculativeConfig
+    kv_transfer_config: dict | None = None   # vLLM's keys: see KVTransferConfig
     speculative: "SpeculativeConfig | None" = field(init=False, default=None)
+    kv_transfer: "KVTransferConfig | None" = field(init=False, default=None)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: list[int] = field(init=False)
 
@@ -78,6 +80,8 @@ class Config:
                 raise ValueError("speculative decoding does not work with pipeline parallelism yet")
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
             self.async_scheduling = False   # the next step's drafts need this step's tokens on the host
+        if self.kv_transfer_config is not None:
+            self.kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
 
     @property
     def world_size(self) -> int:
@@ -171,6 +175,29 @@ class SpeculativeConfig:
                 raise ValueError(f"prompt_lookup_min/max are for ngram, not {spec.method}")
             if not isinstance(spec.model, str) or not os.path.isdir(spec.model):
                 raise ValueError(f"{spec.method} needs 'model': a folder with the draft head, got {spec.model!r}")
+        return spec
+
+
+@dataclass
+class KVTransferConfig:
+    """`kv_transfer_config={"kv_connector": ..., "kv_role": ..., "kv_connector_extra_config": {...}}`,
+    vLLM's keys (kv_transfer/). SharedStorageConnector needs "shared_storage_path"."""
+    kv_connector: str
+    kv_role: str
+    extra_config: dict
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVTransferConfig":
+        if not isinstance(d, dict) or set(d) - {"kv_connector", "kv_role", "kv_connector_extra_config"}:
+            raise ValueError("kv_transfer_config must be a dict of kv_connector, kv_role and "
+                             f"kv_connector_extra_config, got {d!r}")
+        spec = cls(d.get("kv_connector"), d.get("kv_role"), d.get("kv_connector_extra_config") or {})
+        if spec.kv_connector != "SharedStorageConnector":
+            raise ValueError(f"kv_connector must be 'SharedStorageConnector', got {spec.kv_connector!r}")
+        if spec.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError(f"kv_role must be 'kv_producer', 'kv_consumer' or 'kv_both', got {spec.kv_role!r}")
+        if not isinstance(spec.extra_config.get("shared_storage_path"), str):
+            raise ValueError("SharedStorageConnector needs kv_connector_extra_config['shared_storage_path'], a folder")
         return spec
 
 

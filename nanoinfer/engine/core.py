@@ -115,7 +115,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         core_outputs, self.scheduler.unstepped_outputs = self.scheduler.unstepped_outputs, []
-        if self.scheduler.pipelined and not sched.num_scheduled_tokens and self.in_flight:
+        if self.scheduler.pipelined and not sched.num_scheduled_tokens and not sched.scheduled_new_reqs \
+                and self.in_flight:
             # everything runnable is in flight: wait for the oldest step (the ids go with the next)
             self.scheduler.finished_seq_ids |= sched.finished_seq_ids | sched.preempted_seq_ids
             return core_outputs + self.scheduler.update_from_output(self.in_flight.popleft().get_output())

@@ -57,6 +57,10 @@ class SchedulerOutput:
     preempted_seq_ids: set[int] = field(default_factory=set)   # preempted by this step
     # seq_id -> the draft tokens scored after its known tokens (speculative decoding)
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # a KV connector's (kv_transfer/): seq_id -> the (block id, hash) blocks to fill before the forward,
+    # and the (block id, hash) full prompt blocks this step computes, to save after it
+    kv_loads: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -78,6 +82,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)   # each one's new tokens, in order
     logprobs: LogprobsLists | None = None
     spec_token_ids: list[list[int]] | None = None   # each one's drafts for the next step
+    kv_loaded: dict[int, int] | None = None   # seq_id -> how many of its kv_loads blocks are good
 
 
 @dataclass

@@ -32,6 +32,7 @@ from nanoinfer.distributed import get_pp_group, get_tp_group
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.input_batch import InputBatch, StepInputs
 from nanoinfer.engine.messages import GrammarOutput, LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from nanoinfer.kv_transfer import make_kv_connector
 from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanoinfer.models import MODEL_REGISTRY
@@ -49,6 +50,7 @@ class AsyncModelRunnerOutput:
         """sampled: a row of tokens per request (padded with -1), and logprobs a row per sample row
         (`rows_per_request` of them per request: its drafts and one; one each by default)."""
         self.seq_ids, self.sampled, self.copied = seq_ids, None, None
+        self.kv_loaded: dict[int, int] | None = None   # (a KV connector's blocks, loaded in the step)
         self.rows_per_request = rows_per_request
         self.drafts = None if drafts is None else drafts.to("cpu", non_blocking=True)
         if sampled is not None:   # copies queued behind the step's kernels; the host goes on
@@ -61,13 +63,13 @@ class AsyncModelRunnerOutput:
 
     def get_output(self) -> ModelRunnerOutput:
         if self.sampled is None:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(kv_loaded=self.kv_loaded)
         if self.copied is not None:
             self.copied.synchronize()
         token_ids = self.sampled.sampled_token_ids.tolist()
         if self.rows_per_request is not None:   # verified drafts: rows padded with -1
             token_ids = [[t for t in row if t >= 0] for row in token_ids]
-        out = ModelRunnerOutput(self.seq_ids, token_ids)
+        out = ModelRunnerOutput(self.seq_ids, token_ids, kv_loaded=self.kv_loaded)
         if self.drafts is not None:
             out.spec_token_ids = self.drafts.tolist()
         if self.sampled.logprobs is not None:   # a request's emitted tokens are its first sample rows
@@ -126,6 +128,8 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.backend = backend
         self.allocate_kv_cache()
+        self.kv_connector = make_kv_connector(config, dist.get_rank() if dist.is_initialized() else 0)
+        self.kv_loaded: dict[int, int] | None = None   # the step's loaded KV blocks, for its output
         self.pending: tuple[StepInputs, torch.Tensor, torch.Tensor] | None = None   # executed, not sampled
         self.graph_runner = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -224,6 +228,12 @@ class ModelRunner:
         and return without waiting: on a GPU the host can go on while the step runs."""
         self.input_batch.update(sched)
         self.pending = None
+        if sched.kv_loads:   # a KV connector's blocks, every rank its own; the ranks agree on how many
+            counts = torch.tensor([self.kv_connector.load_kv(blocks, self.kv_cache) for blocks in sched.kv_loads.values()],
+                                  device=self.device)
+            for group in (self.tp_group, self.pp_group):
+                group.all_reduce(counts, op=dist.ReduceOp.MIN)
+            self.kv_loaded = dict(zip(sched.kv_loads, counts.tolist()))
         if not sched.num_scheduled_tokens:
             return
         step = self.input_batch.prepare_inputs(sched)
@@ -236,6 +246,8 @@ class ModelRunner:
         else:
             with set_forward_context(meta):
                 hidden_states = self.model(step.input_ids, step.positions, intermediate)
+        if sched.kv_saves:   # (waits for the forward)
+            self.kv_connector.save_kv(sched.kv_saves, self.kv_cache)
         if not self.pp_group.is_last:   # to the next stage; the last samples
             for t in hidden_states:
                 self.pp_group.send_next(t)
@@ -245,10 +257,15 @@ class ModelRunner:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             self.drafter.propose(step, hidden_states, empty, empty, self.tp_group)
 
-    @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarOutput | None = None) -> AsyncModelRunnerOutput:
         """Process the executed step's logits and sample (still without waiting for the GPU);
         `grammar`: the bitmask of the constrained requests' rows (structured output)."""
+        output = self.sample(grammar)
+        output.kv_loaded, self.kv_loaded = self.kv_loaded, None
+        return output
+
+    @torch.inference_mode()
+    def sample(self, grammar: GrammarOutput | None) -> AsyncModelRunnerOutput:
         if self.pending is None:
             return AsyncModelRunnerOutput([])
         step, logits, hidden_states = self.pending

@@ -22,6 +22,11 @@ max_tokens or max_model_len is not scheduled again.
 stop_token_ids, max_tokens, max_model_len) to each in order. A token sampled for a sequence that
 stopped (or was aborted) meanwhile is dropped.
 
+A KV connector (kv_transfer/) may have some of a waiting request's prompt blocks: the request is
+then admitted with blocks for them and nothing to compute, its step loads them, and it waits
+(WAITING_FOR_REMOTE_KVS) until that step's output says how many were good, which then count as
+computed. A producer's steps list the full prompt blocks they compute, to be saved.
+
 Pipeline parallelism (P stages, engine/core.py): a sequence with a step in flight is skipped, and
 a step takes at most max_num_seqs / P sequences, so that P steps in flight hold disjoint ones.
 
@@ -37,6 +42,7 @@ from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
+from nanoinfer.kv_transfer import make_kv_connector
 from nanoinfer.spec_decode.metrics import SpecDecodingStats
 from nanoinfer.spec_decode.ngram_proposer import NgramProposer
 
@@ -77,6 +83,7 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats()
         # EAGLE's drafts write k positions past a step: their slots are allocated with it
         self.lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "eagle" else 0
+        self.kv_connector = make_kv_connector(config)   # (its scheduler side)
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.seq_id] = seq
@@ -97,8 +104,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(out.num_scheduled_tokens) < self.max_seqs_per_step:
             seq = self.running[i]
             i += 1
-            if self.reaches_length_limit(seq) or (self.pipelined and seq.num_output_placeholders):
-                continue   # its last token is in flight (it finishes when that arrives), or (pipelined) its step
+            if (self.reaches_length_limit(seq) or (self.pipelined and seq.num_output_placeholders)
+                    or seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS):
+                continue   # a token of it is in flight (its last; or pipelined), or its KV blocks are loading
             drafts = self.drafts_that_fit(seq, budget) if seq.spec_token_ids else []
             num_new = min(seq.num_tokens_with_placeholders + len(drafts) - seq.num_computed_tokens, budget)
             new_blocks = None
@@ -131,21 +139,26 @@ class Scheduler:
             computed = self.block_manager.get_computed_blocks(seq)
             if self.lookahead and computed:   # EAGLE: the draft layer's keys at a cached block's last
                 computed = computed[:-1]      # position came from the token after it, which may differ
-            num_cached = len(computed) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
+            bs = self.block_manager.block_size
+            num_cached, external = len(computed) * bs, self.external_blocks(seq, len(computed))
+            num_new = 0 if external else min(seq.num_tokens - num_cached, budget)   # (loading: nothing yet)
             lookahead = self.lookahead_of(seq, num_cached + num_new - seq.num_computed_tokens)
-            if self.block_manager.allocate_slots(seq, num_new + lookahead, computed) is None:
+            if self.block_manager.allocate_slots(seq, len(external) * bs + num_new + lookahead, computed) is None:
                 break
             del self.waiting[i]
-            seq.status = SequenceStatus.RUNNING
+            seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS if external else SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
-            if seq.num_cached_tokens is None:
+            if seq.num_cached_tokens is None and not external:
                 seq.num_cached_tokens = num_cached
             self.running.append(seq)
             out.scheduled_new_reqs.append(NewRequestData(
                 seq_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
                 sampling_params=seq.sampling_params, block_ids=list(seq.block_table),
                 num_computed_tokens=num_cached))
+            if external:
+                out.kv_loads[seq.seq_id] = list(zip(seq.block_table[len(computed):], external))
+                seq.num_tokens_sent = seq.num_tokens
+                continue
             self.advance(seq, num_new, out)
             budget -= num_new
         return out
@@ -175,6 +188,18 @@ class Scheduler:
         bs = self.block_manager.block_size
         if seq.num_computed_tokens // bs > (seq.num_computed_tokens - num_new) // bs:   # a block filled up
             self.block_manager.cache_full_blocks(seq)
+            if self.kv_connector is not None and self.kv_connector.saves:   # its full prompt blocks
+                for i in range((seq.num_computed_tokens - num_new) // bs,
+                               min(seq.num_computed_tokens, seq.num_prompt_tokens) // bs):
+                    out.kv_saves.append((seq.block_table[i], seq.block_hashes[i]))
+
+    def external_blocks(self, seq: Sequence, num_computed_blocks: int) -> list[int]:
+        """The hashes of the prompt blocks after the cached ones that the KV connector has (at
+        least one prompt token is still computed)."""
+        if self.kv_connector is None:
+            return []
+        hashes = seq.block_hashes[num_computed_blocks:(seq.num_tokens - 1) // self.block_manager.block_size]
+        return hashes[:self.kv_connector.num_matched_blocks(hashes)]
 
     def has_guided(self, sched: SchedulerOutput) -> bool:
         """Does the step hold a sequence with a grammar? (No scan while none is live.)"""
@@ -214,6 +239,13 @@ class Scheduler:
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append each sampled sequence's new tokens, applying the token-level stops to each in order."""
+        for seq_id, num_good in (runner_output.kv_loaded or {}).items():   # loaded KV blocks: computed
+            seq = self.requests.get(seq_id)
+            if seq is not None and seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
+                seq.status = SequenceStatus.RUNNING
+                seq.num_computed_tokens += num_good * self.block_manager.block_size
+                seq.num_cached_tokens = seq.num_computed_tokens
+                self.block_manager.cache_full_blocks(seq)
         outputs, lp, lp_row = [], runner_output.logprobs, 0
         for row, (seq_id, token_ids) in enumerate(zip(runner_output.seq_ids, runner_output.sampled_token_ids)):
             lp_row += len(token_ids)
@@ -261,7 +293,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End `seq` (also used for stop strings and aborts) and free its blocks."""
-        if seq.status == SequenceStatus.RUNNING:
+        if seq.status in (SequenceStatus.RUNNING, SequenceStatus.WAITING_FOR_REMOTE_KVS):
             self.running.remove(seq)
             self.finished_seq_ids.add(seq.seq_id)   # the runner holds it: tell it to forget it
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_FSM):

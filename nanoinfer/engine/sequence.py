@@ -34,6 +34,7 @@ def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
 class SequenceStatus(Enum):
     WAITING_FOR_FSM = auto()   # its grammar (structured output) is still being compiled
     WAITING = auto()
+    WAITING_FOR_REMOTE_KVS = auto()   # admitted: its prompt's KV blocks are being loaded (kv_transfer/)
     RUNNING = auto()
     FINISHED = auto()
 

@@ -1,0 +1,31 @@
+"""KV connectors: a request's prompt KV cache from outside the engine, and to it (vLLM V1's split).
+
+Disaggregated serving runs the prefill of a request in one engine (the producer) and its decode
+in another (the consumer): the producer computes the prompt's keys and values and hands them over,
+the consumer computes only what it was not given. A connector has two sides, one object each:
+
+- the scheduler's (engine core, `Scheduler`): how many of a waiting request's full prompt blocks,
+  after those in its own prefix cache, can come from outside (`num_matched_blocks`). The
+  scheduler then admits the request with blocks for them and no tokens to compute: the step
+  message asks the runner to fill those blocks (`SchedulerOutput.kv_loads`), and the request
+  waits (WAITING_FOR_REMOTE_KVS) until the step's output says how many of them were filled with
+  valid data. It counts those as computed (and enters them in its prefix cache) and computes the
+  rest like any prompt. Each step also lists the full prompt blocks it computes, to be saved
+  (`SchedulerOutput.kv_saves`);
+- the worker's (`ModelRunner`, on every rank): before the forward, fill the blocks to load
+  (`load_kv`: a rank stops at the first block whose data is missing or fails its check, and the
+  ranks agree on the smallest count); after it, save the blocks to save (`save_kv`).
+
+A block is named by its prefix hash (`Sequence.block_hashes`: equal hashes, equal whole
+prefixes), so a consumer finds the KV of any prefix the producer computed, whoever asked for it.
+`kv_role` says which sides act: "kv_producer" saves, "kv_consumer" loads, "kv_both" does both.
+"""
+from nanoinfer.config import Config
+
+
+def make_kv_connector(config: Config, rank: int = 0):
+    """The configured connector (None if none is); `rank` is the worker's, in the world."""
+    if config.kv_transfer is None:
+        return None
+    from nanoinfer.kv_transfer.shared_storage import SharedStorageConnector
+    return SharedStorageConnector(config, rank)
