@@ -181,7 +181,8 @@ class SpeculativeConfig:
 @dataclass
 class KVTransferConfig:
     """`kv_transfer_config={"kv_connector": ..., "kv_role": ..., "kv_connector_extra_config": {...}}`,
-    vLLM's keys (kv_transfer/). SharedStorageConnector needs "shared_storage_path"."""
+    vLLM's keys (kv_transfer/). SharedStorageConnector needs "shared_storage_path", P2pConnector
+    "kv_port" (and "kv_ip", default 127.0.0.1) and a role of kv_producer or kv_consumer."""
     kv_connector: str
     kv_role: str
     extra_config: dict
@@ -192,12 +193,14 @@ class KVTransferConfig:
             raise ValueError("kv_transfer_config must be a dict of kv_connector, kv_role and "
                              f"kv_connector_extra_config, got {d!r}")
         spec = cls(d.get("kv_connector"), d.get("kv_role"), d.get("kv_connector_extra_config") or {})
-        if spec.kv_connector != "SharedStorageConnector":
-            raise ValueError(f"kv_connector must be 'SharedStorageConnector', got {spec.kv_connector!r}")
-        if spec.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
-            raise ValueError(f"kv_role must be 'kv_producer', 'kv_consumer' or 'kv_both', got {spec.kv_role!r}")
-        if not isinstance(spec.extra_config.get("shared_storage_path"), str):
-            raise ValueError("SharedStorageConnector needs kv_connector_extra_config['shared_storage_path'], a folder")
+        if spec.kv_connector not in ("SharedStorageConnector", "P2pConnector"):
+            raise ValueError(f"kv_connector must be 'SharedStorageConnector' or 'P2pConnector', got {spec.kv_connector!r}")
+        roles = ("kv_producer", "kv_consumer") + ("kv_both",) * (spec.kv_connector == "SharedStorageConnector")
+        if spec.kv_role not in roles:
+            raise ValueError(f"kv_role must be one of {roles} for {spec.kv_connector}, got {spec.kv_role!r}")
+        need, kind = ("shared_storage_path", str) if spec.kv_connector == "SharedStorageConnector" else ("kv_port", int)
+        if not isinstance(spec.extra_config.get(need), kind):
+            raise ValueError(f"{spec.kv_connector} needs kv_connector_extra_config[{need!r}], a {kind.__name__}")
         return spec
 
 

@@ -1,9 +1,13 @@
-"""The shared-storage KV connector: a producer engine leaves its prompts' KV blocks in a folder, a
+"""KV connectors. Shared storage: a producer engine leaves its prompts' KV blocks in a folder, a
 consumer engine started later loads them instead of computing them, and gets exactly the tokens a
-colocated engine gets. Missing blocks are computed; a truncated or corrupted block is found (by
-safetensors' size check, or the checksum) and computed again, never used."""
+colocated engine gets; missing blocks are computed; a truncated or corrupted block is found (by
+safetensors' size check, or the checksum) and computed again, never used. Point to point: a
+producer process sends its blocks to a consumer over gloo, with the same result."""
 import glob
+import multiprocessing as mp
 import os
+import socket
+import time
 
 import pytest
 
@@ -82,6 +86,41 @@ def test_bad_transfer_configs(llama_dir, tmp_path):
                           ({"kv_role": "kv_both", "extra": 1}, "must be a dict of")]:
         with pytest.raises(ValueError, match=match):
             Config(llama_dir, kv_transfer_config=config)
+
+
+def produce(path: str, prompts: list, port: int, sent) -> None:
+    """The producer process: prefill the prompts (max_tokens=1); their blocks go to the consumer."""
+    llm = LLM(path, device="cpu", kv_transfer_config={"kv_connector": "P2pConnector", "kv_role": "kv_producer",
+                                                      "kv_connector_extra_config": {"kv_port": port}})
+    llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    sent.put(llm.llm_engine.model_executor.kv_connector.num_saved_blocks)
+    llm.shutdown()
+
+
+def test_point_to_point_between_two_processes(llama_dir):
+    prompts = random_prompts(LENGTHS, seed=13)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    sent = ctx.Queue()
+    producer = ctx.Process(target=produce, args=(llama_dir, prompts, port, sent))
+    producer.start()
+    consumer = LLM(llama_dir, kv_transfer_config={"kv_connector": "P2pConnector", "kv_role": "kv_consumer",
+                                                  "kv_connector_extra_config": {"kv_port": port}})
+    try:
+        num_sent, connector = sent.get(timeout=120), consumer.llm_engine.model_executor.kv_connector
+        for _ in range(300):   # (until the receiving thread has every block)
+            if len(connector.received) == num_sent:
+                break
+            time.sleep(0.1)
+        outputs = consumer.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        consumer.shutdown()
+        producer.join(60)
+    assert num_sent == 6 and producer.exitcode == 0
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(llama_dir, p, 12) for p in prompts]
+    assert [o.num_cached_tokens for o in outputs] == [32, 48, 0, 0]
 
 
 def block_hashes(path: str, prompts: list) -> list[list[int]]:

@@ -39,6 +39,7 @@ from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.scheduler import EngineCoreOutput, Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.executor.multiproc_executor import MultiprocExecutor
+from nanoinfer.kv_transfer import make_kv_connector
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured_output import Grammar, StructuredOutputManager
 
@@ -73,13 +74,15 @@ class EngineCore:
 
     def __init__(self, config: Config, tokenizer=None):
         self.config = config
+        self.kv_connector = make_kv_connector(config)   # (one rank: the worker's too; else the ranks have theirs)
         # the model runs here (one process, one device) or on model-parallel ranks (executor/)
-        self.model_executor = ModelRunner(config) if config.world_size == 1 else MultiprocExecutor(config)
+        self.model_executor = ModelRunner(config, self.kv_connector) if config.world_size == 1 else \
+            MultiprocExecutor(config)
         if config.world_size > 1:   # the workers stop with the core, or at interpreter exit
             weakref.finalize(self, self.model_executor.shutdown)
         block_manager = BlockManager(self.model_executor.num_kvcache_blocks, config.block_size,
                                      config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, block_manager)
+        self.scheduler = Scheduler(config, block_manager, self.kv_connector)
         self.structured_output = StructuredOutputManager(tokenizer, config.hf_config.vocab_size,
                                                          config.eos_token_ids)
         self.in_flight: deque = deque()   # the outputs of launched steps (`get_output()` waits)
@@ -162,6 +165,8 @@ class EngineCore:
             self.model_executor.shutdown(graceful)
         self.model_executor = None
         self.structured_output.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         gc.unfreeze()   # let the collector free the model's reference cycles
         gc.collect()
         if torch.cuda.is_available():

@@ -83,7 +83,7 @@ class AsyncModelRunnerOutput:
 
 class ModelRunner:
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, kv_connector=None):
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cuda":   # under tensor parallelism, this rank's GPU
@@ -128,7 +128,7 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.backend = backend
         self.allocate_kv_cache()
-        self.kv_connector = make_kv_connector(config, dist.get_rank() if dist.is_initialized() else 0)
+        self.kv_connector = kv_connector or make_kv_connector(config, dist.get_rank() if dist.is_initialized() else 0)
         self.kv_loaded: dict[int, int] | None = None   # the step's loaded KV blocks, for its output
         self.pending: tuple[StepInputs, torch.Tensor, torch.Tensor] | None = None   # executed, not sampled
         self.graph_runner = None

@@ -42,7 +42,6 @@ from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
-from nanoinfer.kv_transfer import make_kv_connector
 from nanoinfer.spec_decode.metrics import SpecDecodingStats
 from nanoinfer.spec_decode.ngram_proposer import NgramProposer
 
@@ -62,7 +61,7 @@ class EngineCoreOutput:
 
 class Scheduler:
 
-    def __init__(self, config: Config, block_manager: BlockManager):
+    def __init__(self, config: Config, block_manager: BlockManager, kv_connector=None):
         self.max_num_seqs = config.max_num_seqs
         self.pipelined = config.pipeline_parallel_size > 1
         self.max_seqs_per_step = -(-config.max_num_seqs // config.pipeline_parallel_size)
@@ -83,7 +82,7 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats()
         # EAGLE's drafts write k positions past a step: their slots are allocated with it
         self.lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "eagle" else 0
-        self.kv_connector = make_kv_connector(config)   # (its scheduler side)
+        self.kv_connector = kv_connector   # (kv_transfer/: its scheduler side)
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.seq_id] = seq

@@ -2,7 +2,7 @@
 
 Disaggregated serving runs the prefill of a request in one engine (the producer) and its decode
 in another (the consumer): the producer computes the prompt's keys and values and hands them over,
-the consumer computes only what it was not given. A connector has two sides, one object each:
+the consumer computes only what it was not given. A connector has two sides:
 
 - the scheduler's (engine core, `Scheduler`): how many of a waiting request's full prompt blocks,
   after those in its own prefix cache, can come from outside (`num_matched_blocks`). The
@@ -19,6 +19,11 @@ the consumer computes only what it was not given. A connector has two sides, one
 A block is named by its prefix hash (`Sequence.block_hashes`: equal hashes, equal whole
 prefixes), so a consumer finds the KV of any prefix the producer computed, whoever asked for it.
 `kv_role` says which sides act: "kv_producer" saves, "kv_consumer" loads, "kv_both" does both.
+
+Two connectors: SharedStorageConnector (shared_storage.py: files in a folder) and P2pConnector
+(p2p.py: a prefill engine sends straight to a decode engine over torch.distributed). An engine
+of one rank has one connector object for both sides; with several ranks, every worker has its
+own and the engine core one more for the scheduler's side.
 """
 from nanoinfer.config import Config
 
@@ -27,5 +32,8 @@ def make_kv_connector(config: Config, rank: int = 0):
     """The configured connector (None if none is); `rank` is the worker's, in the world."""
     if config.kv_transfer is None:
         return None
+    if config.kv_transfer.kv_connector == "P2pConnector":
+        from nanoinfer.kv_transfer.p2p import P2pConnector
+        return P2pConnector(config, rank)
     from nanoinfer.kv_transfer.shared_storage import SharedStorageConnector
     return SharedStorageConnector(config, rank)
