@@ -250,3 +250,42 @@ def test_a_killed_core_fails_its_requests_only(llama_dir):
         assert ok.status_code == 200
     finally:
         stop_server(proc)
+
+
+def test_disaggregated_prefill_and_decode(llama_dir, tmp_path):
+    """A prefill server leaves each prompt's blocks in a folder, a decode server loads them: through
+    the proxy, the answers are the colocated engine's, and the decode computed only the last block."""
+    def transfer(role: str) -> str:
+        return json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": role,
+                           "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}})
+    prefill, prefill_url = start_server(llama_dir, "--kv-transfer-config", transfer("kv_producer"))
+    decode, decode_url = start_server(llama_dir, "--kv-transfer-config", transfer("kv_consumer"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proxy = subprocess.Popen([sys.executable, "-m", "nanoinfer.entrypoints.disagg_proxy", "--prefill", prefill_url,
+                              "--decode", decode_url, "--port", str(port)])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        prompts = random_prompts([40, 57], seed=21)
+        whole = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=12, temperature=0)
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=prompts[1], max_tokens=12, temperature=0, stream=True) if c.choices)
+        want = LLM(llama_dir, max_model_len=512).generate(prompts, SamplingParams(temperature=0, max_tokens=12),
+                                                          use_tqdm=False)
+        assert [whole.choices[0].text, text] == [o.outputs[0].text for o in want]
+        assert whole.usage.prompt_tokens_details.cached_tokens == 32   # loaded: all but the last partial block
+        bad = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5] * 600})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"   # (the prefill server's)
+    finally:
+        proxy.send_signal(signal.SIGINT)
+        proxy.wait(30)
+        stop_server(prefill)
+        stop_server(decode)

@@ -317,13 +317,14 @@ class Chunker:
     def __init__(self, request_id: str, model: str, chat: bool, prompt_tokens: int, top_n: int | None):
         self.id, self.model, self.chat, self.created = request_id, model, chat, int(time.time())
         self.prompt_tokens, self.completion_tokens, self.first, self.top_n = prompt_tokens, 0, True, top_n
+        self.cached_tokens = 0   # prompt tokens not computed: found in the prefix cache, or loaded (kv_transfer/)
 
     def head(self, suffix: str = "") -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
         return {"id": self.id, "object": kind + suffix, "created": self.created, "model": self.model}
 
     def choice(self, out, delta: bool) -> dict:
-        c = out.outputs[0]
+        c, self.cached_tokens = out.outputs[0], out.num_cached_tokens
         self.completion_tokens = self.completion_tokens + len(c.token_ids) if delta else len(c.token_ids)
         choice = {"index": 0, "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
                   "stop_reason": c.stop_reason}
@@ -354,7 +355,8 @@ class Chunker:
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def delta(self, out) -> dict:
         return self.head(".chunk" if self.chat else "") | {"choices": [self.choice(out, True)], "usage": None}
