@@ -17,8 +17,10 @@ import json
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+
+from nanoinfer.entrypoints.openai_server import error_body
 
 
 def create_proxy(prefill: str, decode: str) -> FastAPI:
@@ -26,6 +28,12 @@ def create_proxy(prefill: str, decode: str) -> FastAPI:
     client = httpx.AsyncClient(timeout=None)
 
     async def route(request: Request):
+        try:
+            return await prefill_then_decode(request)
+        except httpx.TransportError as e:   # a server is down, or went away
+            return JSONResponse(error_body(502, f"a server behind the proxy failed: {e!r}"), 502)
+
+    async def prefill_then_decode(request: Request):
         path, body = request.url.path, await request.body()
         headers = {k: v for k, v in request.headers.items() if k in ("authorization", "content-type")}
         try:
@@ -46,7 +54,10 @@ def create_proxy(prefill: str, decode: str) -> FastAPI:
 
     async def forward(request: Request):   # /health, /v1/models, /metrics: the decode server's
         headers = {k: v for k, v in request.headers.items() if k == "authorization"}
-        answer = await client.get(decode + request.url.path, headers=headers)
+        try:
+            answer = await client.get(decode + request.url.path, headers=headers)
+        except httpx.TransportError as e:
+            return JSONResponse(error_body(503, f"the decode server cannot be reached: {e!r}"), 503)
         return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
 
     for path in ("/v1/completions", "/v1/chat/completions"):
