@@ -36,6 +36,10 @@ latency and end-to-end latency (median and p99), and goodput under an SLO (`--sl
 `--slo-tpot-ms`). Each rate's run starts its prompts with a token of its own, so that no run
 finds another's blocks in the prefix cache. The client is the standard library's asyncio.
 
+`--workload fixed --input-len 4096 --output-len 256` gives every request those lengths;
+`--dp 2` starts a server with two engine cores, `--disagg` a prefill server on GPU 0 and a decode
+server on GPU 1 with a P2pConnector between them and the proxy in front (kv_transfer/).
+
 Structured output: `--guided-json [FILE]` makes every request follow a JSON schema (bench.py's
 typical one without FILE); `--tokenizer DIR` gives a random-weight shape a real tokenizer.
 
@@ -319,11 +323,16 @@ async def stream_completion(host: str, port: int, body: dict) -> dict:
     return result
 
 
-def start_server(model: str, engine_kwargs: dict, data_parallel_size: int) -> tuple[subprocess.Popen, str]:
-    """`python -m nanoinfer.serve` with these engine options, once it answers /health."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def start_server(model: str, engine_kwargs: dict, data_parallel_size: int, gpus: str | None = None
+                 ) -> tuple[subprocess.Popen, str]:
+    """`python -m nanoinfer.serve` with these engine options (on these GPUs), once it answers."""
+    port = free_port()
     cmd = [sys.executable, "-m", "nanoinfer.serve", "--model", model, "--port", str(port),
            "--data-parallel-size", str(data_parallel_size)]
     for name, value in engine_kwargs.items():
@@ -332,7 +341,12 @@ def start_server(model: str, engine_kwargs: dict, data_parallel_size: int) -> tu
             cmd.append(flag if value else "--no-" + flag[2:])
         elif value is not None:
             cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
-    proc, url = subprocess.Popen(cmd), f"http://127.0.0.1:{port}"
+    return start(cmd, f"http://127.0.0.1:{port}", gpus)
+
+
+def start(cmd: list[str], url: str, gpus: str | None = None) -> tuple[subprocess.Popen, str]:
+    env = os.environ if gpus is None else os.environ | {"CUDA_VISIBLE_DEVICES": gpus}
+    proc = subprocess.Popen(cmd, env=env)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         try:
@@ -340,10 +354,26 @@ def start_server(model: str, engine_kwargs: dict, data_parallel_size: int) -> tu
                 return proc, url
         except OSError:
             if proc.poll() is not None:
-                raise SystemExit(f"the server exited with code {proc.returncode}")
+                raise SystemExit(f"{cmd[2]} exited with code {proc.returncode}")
             time.sleep(0.2)
     proc.kill()
-    raise SystemExit("the server did not answer /health in 10 minutes")
+    raise SystemExit(f"{cmd[2]} did not answer /health in 10 minutes")
+
+
+def start_disaggregated(model: str, engine_kwargs: dict) -> tuple[list[subprocess.Popen], str]:
+    """A prefill server on GPU 0 and a decode server on GPU 1 (P2pConnector between them: NCCL,
+    gloo on the CPU), and the proxy in front of them."""
+    from concurrent.futures import ThreadPoolExecutor
+    port = free_port()
+    with ThreadPoolExecutor(2) as pool:   # (they meet as they start: one after the other would wait forever)
+        servers = [pool.submit(start_server, model, engine_kwargs | {"kv_transfer_config": {
+            "kv_connector": "P2pConnector", "kv_role": role, "kv_connector_extra_config": {"kv_port": port}}}, 1, gpu)
+            for role, gpu in (("kv_producer", "0"), ("kv_consumer", "1"))]
+        (prefill, prefill_url), (decode, decode_url) = [s.result() for s in servers]
+    proxy_port = free_port()
+    proxy, url = start([sys.executable, "-m", "nanoinfer.entrypoints.disagg_proxy", "--prefill", prefill_url,
+                        "--decode", decode_url, "--port", str(proxy_port)], f"http://127.0.0.1:{proxy_port}")
+    return [prefill, decode, proxy], url
 
 
 def serve(url: str, prompts: list[list[int]], params: list[SamplingParams], rates: list[float],
@@ -499,8 +529,9 @@ def main():
     parser.add_argument("--output-len", type=int, default=256, help="latency mode: output length")
     parser.add_argument("--speculative-config", type=json.loads, default=None, help="as LLM's, in JSON")
     parser.add_argument("--force-repeat", action="store_true", help="a random-weight shape that repeats itself")
-    parser.add_argument("--workload", choices=["random", "copy"], default="random",
-                        help="copy: prompts asking a real model (--model) to rewrite a passage")
+    parser.add_argument("--workload", choices=["random", "copy", "fixed"], default="random",
+                        help="copy: prompts asking a real model (--model) to rewrite a passage; "
+                             "fixed (serve mode): --input-len and --output-len tokens each")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder for a random-weight shape")
     parser.add_argument("--guided-json", nargs="?", const="", default=None,
                         help="every request follows a JSON schema: this file's, or (no value) a typical one")
@@ -510,6 +541,8 @@ def main():
     parser.add_argument("--slo-ttft-ms", type=float, default=500, help="serve mode: goodput's time to first token")
     parser.add_argument("--slo-tpot-ms", type=float, default=50, help="serve mode: goodput's time per output token")
     parser.add_argument("--dp", type=int, default=1, help="serve mode: data_parallel_size of the server started")
+    parser.add_argument("--disagg", action="store_true",
+                        help="serve mode: a prefill server (GPU 0) and a decode server (GPU 1) behind the proxy")
     args = parser.parse_args()
     if args.runs is None:
         args.runs = 3 if torch.cuda.is_available() else 1
@@ -543,12 +576,22 @@ def main():
         kwargs["max_model_len"] = max(args.input_len, 512 if args.workload == "copy" else 0) + args.output_len
     if args.mode == "serve":
         prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
-        proc, url = (None, args.url) if args.url else start_server(model, kwargs, args.dp)
+        if args.workload == "fixed":   # every prompt --input-len tokens, every output --output-len
+            rng = random.Random(0)
+            prompts = [[rng.randint(0, 10000) for _ in range(args.input_len)] for _ in prompts]
+            params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.output_len) for _ in prompts]
+            kwargs["max_model_len"] = args.input_len + args.output_len + 1
+        procs, url = [], args.url
+        if url is None and args.disagg:
+            procs, url = start_disaggregated(model, kwargs)
+        elif url is None:
+            proc, url = start_server(model, kwargs, args.dp)
+            procs = [proc]
         try:
             return serve(url, prompts, params, [float(r) for r in args.request_rate.split(",")],
                          args.max_concurrency, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
         finally:
-            if proc is not None:
+            for proc in reversed(procs):
                 proc.send_signal(signal.SIGINT)
                 proc.wait()
     bandwidth = peak = gpu_name = None

@@ -44,13 +44,17 @@ class P2pConnector:
             threading.Thread(target=self.receive, name="nanoinfer-kv-receiver", daemon=True).start()
 
     def receive(self) -> None:
+        """The consumer's thread: blocks, by hash, until the producer stops (or is gone)."""
         while True:
             header = torch.empty(2, dtype=torch.int64, device=self.device)
-            self.group.recv([header], 0, 0).wait()
-            if header[0].item() == STOP:
-                return
             kv = torch.empty(self.block_shape, dtype=self.dtype, device=self.device)
-            self.group.recv([kv], 0, 0).wait()
+            try:
+                self.group.recv([header], 0, 0).wait()
+                if header[0].item() == STOP:
+                    return
+                self.group.recv([kv], 0, 0).wait()
+            except RuntimeError:   # the producer is gone: nothing more will come
+                return
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             low, high = (int(x) % 2**64 for x in header.tolist())
@@ -84,5 +88,8 @@ class P2pConnector:
             self.num_saved_blocks += 1
 
     def shutdown(self) -> None:
-        if self.saves:   # the consumer's thread ends
-            self.group.send([torch.tensor([STOP, 0], device=self.device)], 1, 0).wait()
+        if self.saves:   # the consumer's thread ends (unless the consumer is gone already)
+            try:
+                self.group.send([torch.tensor([STOP, 0], device=self.device)], 1, 0).wait()
+            except RuntimeError:
+                pass
