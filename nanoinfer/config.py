@@ -26,7 +26,7 @@ class Config:
     block_size: int = 16
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1      # stages, each a contiguous range of layers
+    pipeline_parallel_size: int = 1      # stages, each a contiguous range of layers (P steps in flight)
     enforce_eager: bool = False          # no CUDA graphs
     async_scheduling: bool = True        # schedule step N+1 while step N runs
     dtype: str = "auto"                  # auto: float32 on CPU, the checkpoint's dtype on GPU

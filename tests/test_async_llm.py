@@ -158,7 +158,7 @@ def test_each_core_gets_its_own_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7,9")
     assert core_gpus(2, 2) == ["3,5", "7,9"] and core_gpus(3, 1) == ["3", "5", "7"]
     with pytest.raises(ValueError, match="needs 6 GPUs, 4 are visible"):
-        core_gpus(3, 2)
+        core_gpus(3, 2)   # (2: tensor x pipeline parallel ranks per core)
 
 
 def test_merged_delta_outputs_are_the_outputs_in_one(engine):

@@ -75,6 +75,25 @@ def test_steps_in_flight_hold_disjoint_sequences(three_layer_dirs, monkeypatch):
     assert [outputs[str(i)] for i in range(8)] == [hf_greedy(path, p, 12) for p in prompts]
 
 
+def test_preempted_while_its_token_is_in_flight(three_layer_dirs):
+    """A small cache preempts sequences whose token is still in a stage: none is readmitted before
+    that token is back (it would be sampled twice)."""
+    import random
+    path, rnd = three_layer_dirs["llama"], random.Random(1029)
+    num = rnd.randint(4, 12)
+    prompts = random_prompts([rnd.randint(3, 40) for _ in range(num)], seed=29)
+    params = [SamplingParams(temperature=0, max_tokens=rnd.randint(1, 30), ignore_eos=True) for _ in range(num)]
+    llm = LLM(path, pipeline_parallel_size=2, num_kvcache_blocks=10, max_model_len=96, max_num_batched_tokens=32,
+              max_num_seqs=8)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, s.max_tokens)
+                                                         for p, s in zip(prompts, params)]
+
+
 def test_shutdown_leaves_nothing_behind(three_layer_dirs):
     shm_before = shm_entries()
     llm = LLM(three_layer_dirs["llama"], pipeline_parallel_size=2, tensor_parallel_size=2)

@@ -122,6 +122,7 @@ class EngineCore:
                 and self.in_flight:
             # everything runnable is in flight: wait for the oldest step (the ids go with the next)
             self.scheduler.finished_seq_ids |= sched.finished_seq_ids | sched.preempted_seq_ids
+            self.num_prefill_tokens = self.num_decode_tokens = 0
             return core_outputs + self.scheduler.update_from_output(self.in_flight.popleft().get_output())
         self.model_executor.execute_model(sched)
         grammar = None

@@ -87,14 +87,15 @@ def run_engine_core(config: Config, conn) -> None:
             core.shutdown()
 
 
-def core_gpus(data_parallel_size: int, tensor_parallel_size: int) -> list[str]:
-    """Each core's CUDA_VISIBLE_DEVICES: core r takes the r-th tp GPUs of those this process sees."""
-    visible, tp = os.environ.get("CUDA_VISIBLE_DEVICES"), tensor_parallel_size
+def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
+    """Each core's CUDA_VISIBLE_DEVICES: core r takes the r-th `ranks_per_core` (tensor x pipeline
+    parallel) GPUs of those this process sees."""
+    visible, n = os.environ.get("CUDA_VISIBLE_DEVICES"), ranks_per_core
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    if len(gpus) < data_parallel_size * tp:
-        raise ValueError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tp} needs "
-                         f"{data_parallel_size * tp} GPUs, {len(gpus)} are visible")
-    return [",".join(gpus[r * tp:(r + 1) * tp]) for r in range(data_parallel_size)]
+    if len(gpus) < data_parallel_size * n:
+        raise ValueError(f"data_parallel_size={data_parallel_size} x {n} ranks per core needs "
+                         f"{data_parallel_size * n} GPUs, {len(gpus)} are visible")
+    return [",".join(gpus[r * n:(r + 1) * n]) for r in range(data_parallel_size)]
 
 
 class EngineCoreClient:
@@ -107,7 +108,7 @@ class EngineCoreClient:
         ctx = mp.get_context("spawn")   # (a weak reference: the reader thread must not keep the engine alive)
         self.on_message, self.conns, self.procs = weakref.WeakMethod(on_message), [], []
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = core_gpus(data_parallel_size, config.tensor_parallel_size) if config.device == "cuda" else None
+        gpus = core_gpus(data_parallel_size, config.world_size) if config.device == "cuda" else None
         try:
             for rank in range(data_parallel_size):
                 if gpus is not None:   # (read as the child starts)

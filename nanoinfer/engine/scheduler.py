@@ -135,6 +135,9 @@ class Scheduler:
             if seq.status == SequenceStatus.WAITING_FOR_FSM and not self.grammar_ready(seq):
                 i += not seq.is_finished   # (a finished one left the queue)
                 continue
+            if self.pipelined and seq.num_output_placeholders:   # preempted with its token in flight
+                i += 1
+                continue
             computed = self.block_manager.get_computed_blocks(seq)
             if self.lookahead and computed:   # EAGLE: the draft layer's keys at a cached block's last
                 computed = computed[:-1]      # position came from the token after it, which may differ
@@ -251,6 +254,7 @@ class Scheduler:
             seq = self.requests.get(seq_id)
             if seq is None:
                 continue   # stopped or aborted while this step ran
+            assert seq.num_output_placeholders > 0, f"sequence {seq_id} got a token it did not expect"
             seq.num_output_placeholders -= 1
             num_drafts, seq.num_scheduled_drafts = seq.num_scheduled_drafts, 0
             if num_drafts:   # the rejected drafts' keys and values do not count
