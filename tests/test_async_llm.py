@@ -131,20 +131,22 @@ def test_abort_ends_the_stream(engine):
 def test_a_core_that_stops_reading_holds_up_no_other(engine):
     """Core 0's socket blocks (as when a core hangs): core 1's requests still finish meanwhile."""
     conn, gate, done_while_closed = engine.client.conns[0], threading.Event(), []
-    send = conn.send
-    conn.send = lambda message: (gate.wait(10), send(message))
+    send, send_bytes = conn.send, conn.send_bytes
+    conn.send = lambda message: (gate.wait(60), send(message))
+    conn.send_bytes = lambda data: (gate.wait(60), send_bytes(data))
     try:
         async def one(i):
             tokens = await stream(engine, [5, 6, 7 + i], GREEDY, f"blocked-{i}")
             done_while_closed.append(not gate.is_set())
+            gate.set()   # one finished: enough
             return tokens
 
         async def run():
-            threading.Timer(3, gate.set).start()   # (from a thread: the event loop must not be needed)
+            threading.Timer(30, gate.set).start()   # (else, from a thread: the event loop may be stuck)
             return await asyncio.gather(*[one(i) for i in range(4)])   # spread over both cores
         assert [len(t) for t in asyncio.run(run())] == [24] * 4
     finally:
-        conn.send = send
+        conn.send, conn.send_bytes = send, send_bytes
         gate.set()
     assert any(done_while_closed)   # core 1's, before core 0's socket opened again
 

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server, through real sockets on 127.0.0.1 and the official client."""
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -178,6 +179,10 @@ def test_a_disconnect_aborts_the_request_and_frees_its_blocks(server, stream):
     ({"model": "other", "prompt": "x"}, 404, "model"),
     ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": "x"}}, 400, "response_format"),
     ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"anyOf": 5}}}}, 400, None),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "string", "maxLength": 2.5}}}}, 400, None),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": functools.reduce(
+        lambda s, _: {"type": "array", "items": s}, range(30), {"type": "integer"})}}}, 400, None),   # (2^30 big)
     ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {   # too many DFA states
         "schema": {"type": "string", "pattern": "(a|b)*a(a|b){15}"}}}}, 400, "response_format"),
 ])

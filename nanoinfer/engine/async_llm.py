@@ -60,6 +60,16 @@ class RequestStream:
         return out
 
 
+def fresh(error: BaseException) -> BaseException:
+    """A new exception for one request: the engine's death as itself, a front-end bug as a
+    RuntimeError caused by it (never its own type: a ValueError there is not the caller's fault)."""
+    if isinstance(error, EngineDeadError):
+        return EngineDeadError(str(error))
+    new = RuntimeError(f"the front end failed ({type(error).__name__}: {error})")
+    new.__cause__ = error
+    return new
+
+
 class AsyncLLM:
 
     def __init__(self, model: str, data_parallel_size: int = 1, **kwargs):
@@ -79,7 +89,7 @@ class AsyncLLM:
         self.loop = asyncio.get_running_loop()
         text, request = self.input_processor.process(request_id, prompt, params)
         if len(self.errors) == len(self.client.conns):
-            raise copy.copy(next(iter(self.errors.values())))
+            raise fresh(next(iter(self.errors.values())))
         self.output_processor.add_request(text, request)   # (ValueError if the id is in use)
         stream = self.streams[request_id] = RequestStream(request.params[0].output_kind)
         try:
@@ -137,7 +147,7 @@ class AsyncLLM:
     def fail(self, request_ids, error: BaseException) -> None:
         for request_id in list(request_ids):
             if request_id in self.streams:
-                self.streams[request_id].put(copy.copy(error))   # (a copy each: tracebacks of their own)
+                self.streams[request_id].put(fresh(error))   # (one each: tracebacks of their own)
             self.forget(request_id)
 
     def stats(self) -> list:

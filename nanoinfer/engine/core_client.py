@@ -39,6 +39,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 
@@ -151,9 +152,9 @@ class EngineCoreClient:
         if not live:
             raise EngineDeadError("every engine core has died")
         rank = min(live, key=self.load)
+        self.send(rank, ("add", request))   # (first: a message that cannot be pickled leaves no trace)
         self.owner[request.request_id] = rank
         self.num_sent[rank] += 1
-        self.send(rank, ("add", request))
 
     def load(self, rank: int) -> int:
         """4 x waiting + running, where waiting counts the requests still on their way to it."""
@@ -170,13 +171,15 @@ class EngineCoreClient:
         self.owner.pop(request_id, None)
 
     def send(self, rank: int, message) -> None:
-        self.outboxes[rank].put(message)
+        """Pickled here, in the caller's thread: its errors are the caller's, and a later change to
+        the objects in the message does not reach the core."""
+        self.outboxes[rank].put(bytes(ForkingPickler.dumps(message)))
 
     def write(self, rank: int) -> None:
         """A core's writer thread: its messages, in order, until None."""
         while (message := self.outboxes[rank].get()) is not None:
             try:
-                self.conns[rank].send(message)
+                self.conns[rank].send_bytes(message)
             except OSError:   # it died: the reader reports that
                 return
 
@@ -225,7 +228,7 @@ class EngineCoreClient:
         """Stop every core (a last resort: kill it) and close the sockets. Idempotent."""
         self.closing = True
         for outbox in self.outboxes:   # (after what was queued; then the writer stops)
-            outbox.put(("shutdown", None))
+            outbox.put(bytes(ForkingPickler.dumps(("shutdown", None))))
             outbox.put(None)
         for proc in self.procs:
             proc.join(10)

@@ -43,7 +43,7 @@ class InputProcessor:
                 raise ValueError("guided decoding needs a tokenizer; the engine was started with skip_tokenizer_init")
             try:
                 grammar = guided_regex(params.guided_decoding)
-            except (TypeError, AttributeError, KeyError) as e:   # a keyword of the wrong type, say
+            except (TypeError, AttributeError, KeyError, RecursionError) as e:   # a keyword's wrong type, say
                 raise ValueError(f"guided decoding: malformed constraint ({type(e).__name__}: {e})") from e
         max_tokens = params.max_tokens or self.config.max_model_len - len(token_ids)
         children = [params if params.seed is None else dataclasses.replace(params, seed=wrap64(params.seed + i))

@@ -85,7 +85,10 @@ class APIKeyMiddleware:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and \
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):   # (the route's path: under a mount or --root-path)
+            path = path[len(root):]
+        if scope["type"] == "http" and path.startswith("/v1") and \
                 dict(scope["headers"]).get(b"authorization") != self.expected:
             return await JSONResponse(error_body(401, "missing or wrong API key"), 401)(scope, receive, send)
         await self.app(scope, receive, send)

@@ -29,6 +29,7 @@ NUMBER = INTEGER + r"(\.[0-9]+)?([eE][-+]?[0-9]+)?"
 SCALARS = {"string": STRING, "integer": INTEGER, "number": NUMBER, "boolean": "(true|false)", "null": "null"}
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "$defs",
                "definitions", "format", "deprecated", "readOnly", "writeOnly"}
+MAX_REGEX_CHARS = 200_000
 KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
             "enum", "const", "pattern", "minLength", "maxLength", "anyOf", "$ref"}
 ANY_DEPTH = 2
@@ -63,6 +64,12 @@ class SchemaCompiler:
         self.root, self.resolving = root, []
 
     def compile(self, schema) -> str:
+        regex = self.compile_one(schema)
+        if len(regex) > MAX_REGEX_CHARS:   # (nested repeats double it at every level: stop early)
+            raise ValueError(f"the JSON schema is too large: its regex has more than {MAX_REGEX_CHARS:,} characters")
+        return regex
+
+    def compile_one(self, schema) -> str:
         if schema is True or schema == {}:
             return any_value(ANY_DEPTH)
         if not isinstance(schema, dict):
@@ -91,6 +98,10 @@ class SchemaCompiler:
         return self.typed(schema, types)
 
     def typed(self, schema: dict, type_: str) -> str:
+        for key in ("minItems", "maxItems", "minLength", "maxLength"):
+            value = schema.get(key, 0)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"JSON schema keyword {key!r} must be an integer >= 0, got {value!r}")
         if type_ == "object":
             return self.object(schema)
         if type_ == "array":
