@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from nanoinfer.entrypoints.openai_server import error_body
+from nanoinfer.entrypoints.protocol import error_body
 
 
 def create_proxy(prefill: str, decode: str) -> FastAPI:
