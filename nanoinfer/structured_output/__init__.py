@@ -3,12 +3,13 @@ language, given as a regex, a JSON schema or a list of choices.
 
 The pipeline, per request:
 1. `add_request`: the constraint becomes a regex (json_schema.py; choices are an alternation of
-   escaped literals) and is parsed at once, so an unsupported feature is a ValueError there;
-2. a background thread compiles it: the regex's DFA over bytes (regex.py) and, against the
-   tokenizer's vocabulary, the tokens of its start state (token_index.py); a second one then works
-   out the other states' tokens ahead of need. Meanwhile the request waits in WAITING_FOR_FSM and
-   the scheduler takes the requests behind it, so no compilation ever holds up a step. Compiled
-   grammars are cached by regex;
+   escaped literals) and its DFA is built at once (regex.py: well under a second, cached by
+   regex), so an unsupported feature, an unsatisfiable constraint or one too large is a
+   ValueError there, never a failure later;
+2. a background thread works out, against the tokenizer's vocabulary, the tokens of the DFA's
+   start state (token_index.py); a second one then works out the other states' tokens ahead of
+   need. Meanwhile the request waits in WAITING_FOR_FSM and the scheduler takes the requests
+   behind it, so no compilation ever holds up a step. Token indexes are cached by regex;
 3. each step, for each constrained request that samples, the bitmask of its DFA state (and with
    drafts, of the state after each draft: one row per sample row) is applied on the device, which
    sets every token outside it to -inf before sampling (kernels/bitmask.py). The masks (19 KB
@@ -21,7 +22,6 @@ The state lives with the request in the scheduler, so preemption keeps it. With 
 the bitmask of step N + 1 needs step N's token: the engine then launches step N + 1's forward,
 waits for step N's tokens, advances the states, and only then samples (`EngineCore.step`).
 """
-import functools
 import re
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -30,7 +30,7 @@ import numpy as np
 from nanoinfer.engine.messages import GrammarOutput
 from nanoinfer.sampling_params import GuidedDecodingParams
 from nanoinfer.structured_output.json_schema import json_schema_to_regex
-from nanoinfer.structured_output.regex import compile_regex, parse
+from nanoinfer.structured_output.dfa import compile_regex
 from nanoinfer.structured_output.token_index import TokenIndex, Vocabulary, vocabulary_bytes
 
 MAX_CACHED_GRAMMARS = 32
@@ -74,13 +74,8 @@ def guided_regex(params: GuidedDecodingParams) -> str:
         regex = "(" + "|".join(re.escape(c) for c in params.choice) + ")"
     else:
         regex = params.regex
-    check(regex)
+    compile_regex(regex)   # (cached: the compile thread finds it made)
     return regex
-
-
-@functools.lru_cache(256)
-def check(regex: str) -> None:
-    parse(regex)   # (a few ms for a schema: once per regex)
 
 
 class StructuredOutputManager:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from nanoinfer.structured_output.regex import DFA
+from nanoinfer.structured_output.dfa import DFA
 
 
 def byte_level_alphabet() -> dict[str, int]:

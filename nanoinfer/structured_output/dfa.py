@@ -1,0 +1,251 @@
+"""A regex's tree (regex.py) -> a deterministic finite automaton over bytes.
+
+To test a growing text cheaply, the pattern becomes a DFA: a table `next = table[state,
+byte_class[b]]` with a set of accepting states. It runs over the UTF-8 *bytes* of the text,
+because tokens are byte strings and a token may hold only part of a character. State 0 is dead:
+every wrong byte leads there, and only there, because every other state can still reach a match.
+
+The DFA is built bottom-up, one tree node at a time, each node's automaton from its children's:
+- a set is a trie over the UTF-8 byte ranges of its code points (`é` is `C3 A9`, `[^"]` is every
+  ASCII byte but one, or a lead byte followed by continuation bytes);
+- a cat, alt or repeat puts its children's tables side by side and joins them with epsilon links
+  (from the accepting states of one part to the start of the next; from the end of a repeated
+  part back to its start), then makes that deterministic by the subset construction: a state is
+  the set of the parts' states that the text so far can be in. Most such sets hold a single
+  state, the parts being deterministic already: those keep the part's own row, renumbered in
+  one vectorised step, and only sets of several states (where parts overlap: `a*ab`) are
+  explored one by one. A part whose end has no way on (a character, a quoted string) leaves no
+  such set behind, so `x{0,1000}` costs a thousand copies of x's table, not a thousand subset
+  constructions;
+- each node's result of at most `MINIMIZE_MAX` states is minimised (Moore's partition
+  refinement, when it settles within `MAX_ROUNDS` rounds), so that the parts a repeat copies are
+  as small as they can be. A set of no characters is the empty language (None), which a cat
+  takes on and an alt drops; so every state that is built can still reach a match.
+Bytes that no row tells apart share a class: the table has a column per class. A DFA of more
+than `MAX_STATES` states is a ValueError, found before the table that would pass it is made.
+"""
+import functools
+
+import numpy as np
+
+from nanoinfer.structured_output.regex import MAX_CHAR, complement, parse
+
+MAX_STATES, MAX_ROUNDS, MINIMIZE_MAX = 50_000, 24, 4096
+SURROGATES = (0xD800, 0xDFFF)
+
+
+def utf8_ranges(lo: int, hi: int) -> list[list[tuple[int, int]]]:
+    """The UTF-8 encodings of code points lo..hi as sequences of byte ranges."""
+    out = []
+    for a, b in ((0, 0x7F), (0x80, 0x7FF), (0x800, SURROGATES[0] - 1), (SURROGATES[1] + 1, 0xFFFF),
+                 (0x10000, MAX_CHAR)):   # ranges of one encoded length, surrogates left out
+        if max(lo, a) <= min(hi, b):
+            out += byte_ranges(list(chr(max(lo, a)).encode()), list(chr(min(hi, b)).encode()))
+    return out
+
+
+def byte_ranges(first: list[int], last: list[int]) -> list[list[tuple[int, int]]]:
+    """All byte strings from `first` to `last` (same length, UTF-8 order) as range sequences."""
+    n = len(first) - 1
+    if first[1:] == [0x80] * n and last[1:] == [0xBF] * n:
+        return [[(first[0], last[0])] + [(0x80, 0xBF)] * n]
+    if first[0] == last[0]:
+        return [[(first[0], first[0])] + r for r in byte_ranges(first[1:], last[1:])]
+    out = [[(first[0], first[0])] + r for r in byte_ranges(first[1:], [0xBF] * n)]
+    if first[0] + 1 < last[0]:
+        out.append([(first[0] + 1, last[0] - 1)] + [(0x80, 0xBF)] * n)
+    return out + [[(last[0], last[0])] + r for r in byte_ranges([0x80] * n, last[1:])]
+
+
+# An automaton while it is built: (table int32 [states, classes], accepting bool [states],
+# byte_class int32 [256]); state 0 is dead, state 1 the start. None is the empty language.
+EMPTY_STRING = (np.zeros((2, 1), np.int32), np.array([False, True]), np.zeros(256, np.int32))
+
+
+@functools.lru_cache(4096)
+def set_automaton(ranges: tuple[tuple[int, int], ...]):
+    """A trie of the set's UTF-8 byte sequences, whose state is the set of byte-range sequences
+    still to read (so equal rests share a state)."""
+    rests = frozenset(tuple(seq) for lo, hi in complement(complement(ranges))
+                      for seq in utf8_ranges(lo, hi))
+    if not rests:
+        return None
+    ids, rows = {}, [np.zeros(256, np.int32)]
+
+    def state(rest: frozenset) -> int:
+        if rest not in ids:
+            ids[rest] = len(rows)
+            rows.append(np.zeros(256, np.int32))
+            by_first = {}
+            for seq in rest:
+                if seq:
+                    by_first.setdefault(seq[0], set()).add(seq[1:])
+            for (lo, hi), tails in by_first.items():
+                rows[ids[rest]][lo:hi + 1] = state(frozenset(tails))
+        return ids[rest]
+    state(rests)
+    table = np.stack(rows)
+    changes = np.concatenate([[False], (table[:, 1:] != table[:, :-1]).any(0)])   # new classes
+    accepting = np.array([False] + [() in rest for rest in ids])
+    return table[:, np.flatnonzero(changes | (np.arange(256) == 0))], accepting, \
+        np.cumsum(changes, dtype=np.int32)
+
+
+@functools.lru_cache(4096)
+def build(node):
+    """The automaton of a tree node (None: the empty language); cached while a pattern is
+    built, since a JSON schema's regex repeats its parts (strings, numbers, nested values)."""
+    kind = node[0]
+    if kind == "set":
+        return set_automaton(node[1])
+    if kind in ("alt", "cat"):
+        parts = [build(part) for part in node[1]]
+        if kind == "alt":
+            parts = [p for p in parts if p is not None]
+        elif None in parts:
+            return None
+        if len(parts) < 2:
+            return parts[0] if parts else (None if kind == "alt" else EMPTY_STRING)
+        if kind == "alt":
+            return combine(parts, [], range(len(parts)), range(len(parts)))
+        return combine(parts, [(i, i + 1) for i in range(len(parts) - 1)], [0], [len(parts) - 1])
+    _, part, lo, hi = node
+    part = build(part)
+    if part is None or hi == 0:
+        return EMPTY_STRING if lo == 0 else None
+    copies = max(lo, 1) if hi is None else hi
+    if copies * len(part[0]) > MAX_STATES:
+        raise ValueError(f"the regex needs more than {MAX_STATES:,} DFA states (a repeat of "
+                         f"{copies:,} copies of a part of {len(part[0]) - 1} states)")
+    links = [(i, i + 1) for i in range(copies - 1)] + ([(copies - 1,) * 2] if hi is None else [])
+    parts = [part] * copies + [EMPTY_STRING] * (lo == 0)   # (that last part: the empty string)
+    return combine(parts, links, [0, copies][:1 + (lo == 0)], range(max(lo, 1) - 1, len(parts)))
+
+
+def combine(parts: list, links: list[tuple[int, int]], first, final):
+    """The parts side by side, starting in the parts `first`, accepting in the accepting states
+    of the parts `final`; a link (i, j): each accepting state of part i also starts part j."""
+    offsets = np.cumsum([1] + [len(p[0]) - 1 for p in parts])   # part i's states from offsets[i]
+    if offsets[-1] > MAX_STATES:
+        raise ValueError(f"the regex needs more than {MAX_STATES:,} DFA states")
+    distinct = list({id(p): p for p in parts}.values())   # (a repeat's copies are one part)
+    cuts = np.unique(np.concatenate([[0]] + [np.flatnonzero(np.diff(p[2])) + 1 for p in distinct]))
+    columns = {id(p): p[0][1:, p[2][cuts]] for p in distinct}   # over the classes of them all
+    table = np.concatenate([np.zeros((1, len(cuts)), np.int32)] + [
+        np.where(columns[id(p)] == 0, 0, columns[id(p)] + (off - 1)) for p, off in zip(parts, offsets)])
+    accepts = [np.flatnonzero(p[1]) + (off - 1) for p, off in zip(parts, offsets)]
+    is_final = np.zeros(len(table), bool)
+    is_final[np.concatenate([accepts[i] for i in final])] = True
+    eps: dict[int, list[int]] = {}
+    for i, j in links:
+        for q in accepts[i].tolist():
+            eps.setdefault(q, []).append(int(offsets[j]))
+    table, accepting = determinize(table, is_final, eps, [int(offsets[i]) for i in first])
+    if len(table) <= MINIMIZE_MAX:
+        table, accepting = minimize(table, accepting)
+    return table, accepting, np.searchsorted(cuts, np.arange(256), side="right").astype(np.int32) - 1
+
+
+def determinize(table: np.ndarray, is_final: np.ndarray, eps: dict[int, list[int]],
+                starts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The subset construction over deterministic parts joined by epsilon links `eps`."""
+    useless = ~is_final & ~table.any(1)   # no way on and not accepting: left out of every set
+    useless[0] = True
+
+    def closure(states) -> frozenset:
+        stack, seen = list(states), set(states)
+        while stack:
+            for t in eps.get(stack.pop(), ()):
+                if t not in seen:
+                    seen.add(t)
+                    stack.append(t)
+        return frozenset(s for s in seen if not useless[s])
+
+    sets: dict[frozenset, int] = {}   # the states that are sets of several, by their ids
+    members_of: list[frozenset] = []  # ... and their members, in id order
+
+    def state_of(members: frozenset) -> int:
+        if len(members) == 1 and (m := next(iter(members))) not in eps:
+            return m   # a part's own state
+        if not members:
+            return 0
+        if members not in sets:
+            if len(table) + len(sets) >= MAX_STATES:
+                raise ValueError(f"the regex needs more than {MAX_STATES:,} DFA states")
+            sets[members] = len(table) + len(sets)
+            members_of.append(members)
+        return sets[members]
+
+    remap = np.arange(len(table), dtype=np.int32)   # a state with links: its closure's
+    for q in eps:
+        remap[q] = state_of(closure([q]))
+    start = state_of(closure(starts))
+    rows, accepting = [remap[table]], [is_final]
+    for members in members_of:   # the sets of several states, explored as they appear
+        targets = table[sorted(members)]
+        live = (targets != 0).sum(0)
+        row = np.where(live == 1, remap[targets].max(0), 0)   # one member goes on: its closure
+        several = np.flatnonzero(live > 1)
+        if len(several):   # (each distinct column of targets once)
+            columns, which = np.unique(targets[:, several].T, axis=0, return_inverse=True)
+            ids = [state_of(closure(set(c.tolist()) - {0})) for c in columns]
+            row[several] = np.array(ids, np.int32)[which.reshape(-1)]
+        rows.append(row[None])
+        accepting.append(is_final[sorted(members)].any(keepdims=True))
+    table, accepting = np.concatenate(rows), np.concatenate(accepting)
+    # dead state 0, the start 1, then the states a row leads to (not the ends that links replaced)
+    kept = np.bincount(table.reshape(-1), minlength=len(table)) > 0
+    kept[0] = kept[start] = False
+    order = np.concatenate([[0, start], np.flatnonzero(kept)])
+    new_id = np.zeros(len(table), np.int32)
+    new_id[order] = np.arange(len(order), dtype=np.int32)
+    return new_id[table[order]], accepting[order]
+
+
+def minimize(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Equivalent states merged, if the partition settles within MAX_ROUNDS rounds (else the
+    table as it is); the dead state stays 0, the start 1."""
+    block = np.where(accepting, 2, 1)
+    block[0] = 0   # dead, live, accepting
+    block = np.unique(block, return_inverse=True)[1].reshape(-1)
+    for _ in range(MAX_ROUNDS):   # split blocks whose states lead to different blocks
+        rows = np.ascontiguousarray(np.concatenate([block[:, None], block[table]], 1), np.int64)
+        new = np.unique(rows.view(np.dtype((np.void, rows.shape[1] * 8))).ravel(),
+                        return_inverse=True)[1].reshape(-1)   # (each row as one opaque value)
+        if new.max() == block.max():
+            break
+        block = new
+    else:
+        return table, accepting
+    order = list(dict.fromkeys([block[0], block[1], *block]))   # dead's block, the start's, ...
+    rank = np.empty(block.max() + 1, np.int64)
+    rank[order] = np.arange(len(order))
+    block = rank[block]
+    first = np.unique(block, return_index=True)[1]
+    return block[table[first]].astype(np.int32), accepting[first]
+
+
+class DFA:
+    def __init__(self, table: np.ndarray, accepting: np.ndarray, byte_class: np.ndarray):
+        self.table, self.accepting, self.byte_class = table, accepting, byte_class
+        self.start = 1
+        # walk's copies: Python lists index faster than numpy does one item at a time
+        self.walk_table, self.byte_classes = table.tolist(), byte_class.tolist()
+
+    def walk(self, state: int, data: bytes) -> int:
+        for b in data:
+            state = self.walk_table[state][self.byte_classes[b]]
+        return state
+
+
+@functools.lru_cache(32)
+def compile_regex(pattern: str) -> DFA:
+    """The DFA of a Python regex; a ValueError says what is not supported. Cached: the front end
+    compiles a request's constraint to check it, the core to use it."""
+    try:
+        automaton = build(parse(pattern))
+    finally:
+        build.cache_clear()   # (what it holds is this pattern's parts)
+    if automaton is None:
+        raise ValueError(f"the regex {pattern[:80]!r} matches nothing")
+    return DFA(*automaton)
