@@ -25,11 +25,12 @@ types its keywords are about (`minLength`: a string; `properties`: an object), o
 nested at most `ANY_DEPTH` deep if it has none. Anything else is a ValueError naming the keyword.
 """
 import json
-import math
 import re
 
 from nanoinfer.structured_output.dfa import compile_regex
 from nanoinfer.structured_output.regex import parse, to_regex
+from nanoinfer.structured_output.schema_merge import (ANNOTATIONS, Unsatisfiable, as_enum, count,
+                                                      dumps, merge, without)
 
 WS = "[ ]?"
 SEP = "," + WS
@@ -46,24 +47,10 @@ SCALARS = {"string": STRING, "integer": INTEGER, "number": NUMBER, "boolean": "(
 TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
                  "array": {"items", "minItems", "maxItems"},
                  "string": {"pattern", "minLength", "maxLength"}}
-ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
-               "$defs", "definitions", "format", "deprecated", "readOnly", "writeOnly",
-               "$anchor", "contentMediaType", "contentEncoding", "contentSchema"}
 KEYWORDS = {"type", "enum", "const", "anyOf", "allOf", "$ref"}.union(*TYPE_KEYWORDS.values())
 MAX_REGEX_CHARS = 200_000
 ANY_DEPTH = 2
 NOT_RAW_IN_STRINGS = [(0, 0x1F), (ord('"'), ord('"')), (ord("\\"), ord("\\"))]   # JSON escapes
-
-
-class Unsatisfiable(ValueError):
-    """No JSON value is valid under the schema (an anyOf drops such a branch)."""
-
-
-def dumps(value) -> str:
-    try:
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    except ValueError:
-        raise ValueError(f"JSON schema value {value!r} is not JSON (a number out of range?)") from None
 
 
 def literal(value) -> str:
@@ -94,15 +81,12 @@ def any_value(depth: int) -> str:
     return rf"({scalar}|\{{{members}\}}|\[{repeat(inner, 0, None)}\])"
 
 
-def without(schema: dict, *keys: str) -> dict:
-    return {k: v for k, v in schema.items() if k not in keys}
-
-
-def count(schema: dict, key: str) -> int:
-    value = schema.get(key, 0)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"JSON schema keyword {key!r} must be an integer >= 0, got {value!r}")
-    return value
+def bounds(schema: dict, what: str) -> tuple[int, int | None]:
+    """minX and maxX (None: no bound) of Items or Length."""
+    lo, hi = count(schema, "min" + what), schema.get("max" + what)
+    if hi is not None and count(schema, "max" + what) < lo:
+        raise Unsatisfiable(f"JSON schema with max{what} < min{what} matches nothing")
+    return lo, hi
 
 
 class SchemaCompiler:
@@ -123,6 +107,7 @@ class SchemaCompiler:
             raise Unsatisfiable("the JSON schema `false` matches nothing")
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema must be an object, got {schema!r}")
+        schema = as_enum(schema)
         unknown = set(schema) - KEYWORDS - ANNOTATIONS
         if unknown:
             raise ValueError(f"unsupported JSON schema keyword {sorted(unknown)[0]!r}")
@@ -134,12 +119,12 @@ class SchemaCompiler:
         if "allOf" in schema:
             merged = without(schema, "allOf")
             for sub in schema["allOf"]:
-                merged = self.merge(merged, sub)
+                merged = merge(merged, sub)
             return self.compile(merged)
         if "anyOf" in schema:
             return self.any_of(schema)
-        if "const" in schema or "enum" in schema:
-            return self.values(schema)
+        if "enum" in schema:
+            return self.enum(schema)
         types = schema.get("type")
         if types is None:   # the types its keywords are about; without any, every type
             types = [t for t, keys in TYPE_KEYWORDS.items() if keys & schema.keys()] or True
@@ -164,15 +149,14 @@ class SchemaCompiler:
     def any_of(self, schema: dict) -> str:
         """Each branch with the keywords beside anyOf; branches nothing satisfies are left out."""
         rest = without(schema, "anyOf")
-        return self.alternatives([lambda b=b: self.compile(self.merge(rest, b))
+        return self.alternatives([lambda b=b: self.compile(merge(rest, b))
                                   for b in schema["anyOf"]])
 
-    def values(self, schema: dict) -> str:
-        """enum / const: the values that the sibling keywords allow too."""
-        values = [schema["const"]] if "const" in schema else schema["enum"]
+    def enum(self, schema: dict) -> str:
+        """The values that the sibling keywords allow too."""
+        values, rest = schema["enum"], without(schema, "enum")
         if not isinstance(values, list):
             raise ValueError(f"JSON schema keyword 'enum' must be a list, got {values!r}")
-        rest = without(schema, "const") if "const" in schema else without(schema, "enum")
         if set(rest) - ANNOTATIONS:   # (our own DFA of the rest judges them)
             dfa = compile_regex(self.compile(rest))
             values = [v for v in values if dfa.accepting[dfa.walk(dfa.start, dumps(v).encode())]]
@@ -193,18 +177,14 @@ class SchemaCompiler:
             pattern = parse(schema["pattern"], ecmascript=True)
             return '"' + to_regex(pattern, NOT_RAW_IN_STRINGS) + '"'
         if type_ == "string" and ("minLength" in schema or "maxLength" in schema):
-            lo, hi = count(schema, "minLength"), schema.get("maxLength")
-            if hi is not None and count(schema, "maxLength") < lo:
-                raise Unsatisfiable("JSON schema with maxLength < minLength matches nothing")
+            lo, hi = bounds(schema, "Length")
             return f'"{STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
         if type_ not in SCALARS:
             raise ValueError(f"unsupported JSON schema type {type_!r}")
         return SCALARS[type_]
 
     def array(self, schema: dict) -> str:
-        lo, hi = count(schema, "minItems"), schema.get("maxItems")
-        if hi is not None and count(schema, "maxItems") < lo:
-            raise Unsatisfiable("JSON schema with maxItems < minItems matches nothing")
+        lo, hi = bounds(schema, "Items")
         items = schema.get("items", True)
         if not isinstance(items, (dict, bool)):
             raise ValueError(f"unsupported JSON schema 'items' {items!r}: it must be a schema")
@@ -248,74 +228,19 @@ class SchemaCompiler:
         if not isinstance(ref, str) or not ref.startswith("#"):
             raise ValueError(f"unsupported $ref {ref!r}: only references inside the schema (#/...)")
         target = self.root
-        for part in filter(None, ref[1:].split("/")):
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(target, list) and part.isdigit() and int(part) < len(target):
-                target = target[int(part)]
-            elif isinstance(target, dict) and part in target:
-                target = target[part]
-            else:
-                raise ValueError(f"$ref {ref!r} names nothing in the schema")
+        try:
+            for part in filter(None, ref[1:].split("/")):
+                part = part.replace("~1", "/").replace("~0", "~")
+                target = target[int(part)] if isinstance(target, list) else target[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            raise ValueError(f"$ref {ref!r} names nothing in the schema") from None
         if ref in self.resolving:
             raise ValueError(f"recursive $ref {ref!r}: a recursive schema is not a regular language")
         self.resolving.append(ref)
         try:
-            return self.compile(self.merge(without(schema, "$ref"), target))
+            return self.compile(merge(without(schema, "$ref"), target))
         finally:
             self.resolving.pop()
-
-    def merge(self, a, b):
-        """A schema valid where both are (allOf): the keywords of each side, combined where both
-        have one; a combination not supported is a ValueError naming the keyword."""
-        if a is True or a == {} or b is False:
-            return b
-        if b is True or b == {} or a is False:
-            return a
-        if not isinstance(a, dict) or not isinstance(b, dict):
-            raise ValueError(f"a JSON schema must be an object, got {a!r} and {b!r}")
-        a, b = as_enum(a), as_enum(b)
-        out = dict(a)
-        for key, value in b.items():
-            if key not in out or key in ANNOTATIONS:
-                out.setdefault(key, value)
-            elif key == "enum":   # (compared as JSON texts: in Python, 1 == True)
-                out[key] = [v for v in out[key] if dumps(v) in set(map(dumps, value))]
-            elif key == "properties" or out[key] == value:
-                pass
-            elif key == "type":
-                out[key] = sorted(types_of(out[key]) & types_of(value))
-                if "number" in out[key]:
-                    out[key].remove("integer")
-            elif key in ("minItems", "minLength", "maxItems", "maxLength"):
-                out[key] = (max if key.startswith("min") else min)(count(out, key), count(b, key))
-            elif key == "required" or key == "allOf":
-                out[key] = list(out[key]) + [v for v in value if v not in out[key]]
-            elif key in ("items", "additionalProperties"):
-                out[key] = self.merge(out[key], value)
-            else:
-                raise ValueError(f"unsupported JSON schema: two different {key!r} to hold together")
-        if "properties" in a or "properties" in b:   # where one side has none: additionalProperties
-            sides = [(s.get("properties", {}), s.get("additionalProperties", True)) for s in (a, b)]
-            names = dict.fromkeys([*sides[0][0], *sides[1][0]])
-            out["properties"] = {n: self.merge(*(props.get(n, extra) for props, extra in sides))
-                                 for n in names}
-        return out
-
-
-def types_of(types) -> set[str]:
-    """A `type` as a set, "number" taken to include "integer"."""
-    out = set(types) if isinstance(types, list) else {types}
-    return out | {"integer"} if "number" in out else out
-
-
-def as_enum(schema: dict) -> dict:
-    """`const` written as a one-value `enum` (within any enum beside it)."""
-    if "const" not in schema:
-        return schema
-    values = [schema["const"]]
-    if "enum" in schema:
-        values = [v for v in values if dumps(v) in set(map(dumps, schema["enum"]))]
-    return {**without(schema, "const"), "enum": values}
 
 
 def json_schema_to_regex(schema: dict | str) -> str:
