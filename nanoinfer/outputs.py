@@ -34,6 +34,7 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     arrival_time: float                 # time.time() when the request was added
+    first_scheduled_time: float | None = None   # ... when the core first scheduled it
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
@@ -49,6 +50,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first) the token and the top N
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, later: "RequestOutput") -> None:
         """Merge the request's next DELTA output into this one: the two as one output."""
@@ -65,3 +68,4 @@ class RequestOutput:
             m.cumulative_logprob, m.finish_reason, m.stop_reason = c.cumulative_logprob, c.finish_reason, c.stop_reason
         self.outputs.sort(key=lambda c: c.index)
         self.finished, self.num_cached_tokens, self.metrics = later.finished, later.num_cached_tokens, later.metrics
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs

@@ -55,6 +55,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None   # the log-probabilities of the sampled token and the top-N at each step
+    prompt_logprobs: int | None = None   # ... of each prompt token (and the top-N) given those before
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     guided_decoding: GuidedDecodingParams | None = None
@@ -92,6 +94,11 @@ class SamplingParams:
              and all(_integer(t) and t >= 0 for t in self.stop_token_ids), "must be a list of integers >= 0"),
             ("logprobs", self.logprobs is None or (_integer(self.logprobs) and self.logprobs >= 0),
              "must be None or an integer >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or (_integer(self.prompt_logprobs) and self.prompt_logprobs >= 0), "must be None or an integer >= 0"),
+            ("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                _integer(t) and t >= 0 and _real(b) for t, b in self.logit_bias.items())),
+             "must be None or a dict of token ids >= 0 to finite numbers"),
             ("output_kind", self.output_kind in list(RequestOutputKind), "must be a RequestOutputKind"),
             ("guided_decoding", self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
              "must be None or a GuidedDecodingParams"),

@@ -257,3 +257,55 @@ def test_odd_but_valid_seeds_and_temperatures(llm):
     greedy = llm.generate([5, 6], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     tiny = llm.generate([5, 6], SamplingParams(temperature=1e-30, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert tiny[0].outputs[0].token_ids == greedy   # below 1e-5 it is greedy, as in vLLM
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_prompt_logprobs_equal_transformers(llama_dir, async_scheduling):
+    """Every prompt token's logprob given the ones before (rank and top N too), over prefill chunks,
+    for n > 1, and for a prompt whose prefix is cached (it is computed again: no logits otherwise)."""
+    llm = LLM(llama_dir, max_model_len=128, max_num_batched_tokens=16, async_scheduling=async_scheduling)
+    prompt = random_prompts([45], seed=81)[0]
+    llm.generate(prompt, GREEDY, use_tqdm=False)   # its blocks are now cached
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, n=2, prompt_logprobs=3),
+                       use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 45
+    ref = hf_logits(llama_dir, prompt).log_softmax(-1)
+    for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        top = ref[i - 1].topk(3)
+        assert list(entry)[0] == prompt[i] and set(list(entry)[1:]) <= set(top.indices.tolist())
+        assert math.isclose(entry[prompt[i]].logprob, ref[i - 1, prompt[i]].item(), abs_tol=1e-4)
+        assert entry[prompt[i]].rank == int((ref[i - 1] >= ref[i - 1, prompt[i]]).sum())
+        assert [e.rank for t, e in entry.items() if t != prompt[i]] == \
+            [r for r, t in enumerate(top.indices.tolist(), 1) if t != prompt[i]]
+    delta = llm.llm_engine
+    delta.add_request("d", prompt, SamplingParams(max_tokens=3, prompt_logprobs=0,
+                                                  output_kind=RequestOutputKind.DELTA))
+    given = [o.prompt_logprobs for o in drain(delta)["d"]]
+    assert given[0] is not None and given[1:] == [None] * (len(given) - 1)   # once, in the first
+
+
+def test_logit_bias(llm):
+    prompt = random_prompts([10], seed=82)[0]
+    greedy = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    forced = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                 logit_bias={77: 100}), use_tqdm=False)[0].outputs[0]
+    assert forced.token_ids == [77] * 8
+    banned = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, logit_bias={greedy[0]: -100},
+                                                 logprobs=0), use_tqdm=False)[0].outputs[0]
+    assert banned.token_ids[0] != greedy[0]
+    assert banned.logprobs[0][banned.token_ids[0]].rank == 2   # (logprobs stay the raw model's)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={"5": 1.0})
+
+
+def test_chat_takes_text_parts_and_names_what_it_cannot(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    joined = [{"role": "user", "content": "a\nb"}]
+    assert llm.chat(parts, GREEDY, use_tqdm=False)[0].prompt_token_ids == \
+        llm.chat(joined, GREEDY, use_tqdm=False)[0].prompt_token_ids
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match="text only"):
+        llm.chat(image, GREEDY, use_tqdm=False)
+    for bad in ("a\ud800b", [{"role": "user", "content": "a\udfffb"}]):
+        with pytest.raises(ValueError, match="lone surrogate at character 1"):
+            llm.generate(bad, GREEDY, use_tqdm=False) if isinstance(bad, str) else llm.chat(bad, GREEDY)

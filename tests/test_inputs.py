@@ -63,7 +63,9 @@ def test_sampling_params_are_keyword_only():
     (123, GREEDY, "prompts must be"), (None, GREEDY, "prompts must be"), ([[5, 6], 3.5], GREEDY, "must be a str"),
     ([5, 6], {"temperature": 0}, "sampling_params must be a SamplingParams"),
     ([5, 6], "greedy", "sampling_params must be a SamplingParams"),
-    ([5, 6], SamplingParams(stop_token_ids=[512]), "stop token id 512 is outside the vocabulary"),
+    ([5, 6], SamplingParams(stop_token_ids=[512]), "stop_token_ids holds token id 512, outside the vocabulary"),
+    ([5, 6], SamplingParams(logit_bias={512: 1.0}), "logit_bias holds token id 512, outside the vocabulary"),
+    ([5, 6], SamplingParams(prompt_logprobs=21), "prompt_logprobs=21 is more than"),
 ])
 def test_bad_generate_arguments_name_what_is_wrong(llm, prompts, sampling_params, message):
     with pytest.raises(ValueError, match=message):

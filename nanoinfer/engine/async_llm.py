@@ -19,7 +19,6 @@ Leaving the `async for` early (the client disconnected: the task is cancelled) a
 request, which frees its blocks in the core at once.
 """
 import asyncio
-import copy
 import logging
 import weakref
 from collections.abc import AsyncIterator

@@ -36,7 +36,8 @@ import torch
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.model_runner import ModelRunner
-from nanoinfer.engine.scheduler import EngineCoreOutput, Scheduler
+from nanoinfer.engine.messages import EngineCoreOutput
+from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.executor.multiproc_executor import MultiprocExecutor
 from nanoinfer.kv_transfer import make_kv_connector

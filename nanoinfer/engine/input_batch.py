@@ -37,7 +37,8 @@ from nanoinfer.layers.sampler import Penalties, SamplingMetadata
 SAMPLING_FIELDS = np.dtype([
     ("temperature", np.float32), ("top_k", np.int64), ("top_p", np.float32), ("min_p", np.float32),
     ("presence", np.float32), ("frequency", np.float32), ("repetition", np.float32),
-    ("seed", np.int64), ("seeded", np.bool_), ("min_tokens", np.int64), ("logprobs", np.int64)])
+    ("seed", np.int64), ("seeded", np.bool_), ("min_tokens", np.int64), ("logprobs", np.int64),
+    ("prompt_logprobs", np.int64), ("biased", np.bool_)])
 
 
 def token_seed(seed: int, index: int) -> int:
@@ -74,6 +75,9 @@ class StepInputs:
     last_rows: torch.Tensor | None = None
     next_token_ids: torch.Tensor | None = None
     sample_block_tables: torch.Tensor | None = None
+    # requests that want their prompt's logprobs: [(seq_id, position of the first token scored,
+    # tokens scored)], the flat positions before those tokens, the tokens, the most top-N asked
+    prompt_logprobs: tuple[list, torch.Tensor, torch.Tensor, int] | None = None
 
 
 class InputBatch:
@@ -92,6 +96,7 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_reqs, np.int64)
         self.sampling = np.zeros(max_num_reqs, SAMPLING_FIELDS)
         self.stop_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]   # blocked before min_tokens
+        self.logit_bias: list[dict[int, float]] = [{} for _ in range(max_num_reqs)]
         self.rng = np.random.default_rng(seed)   # the seeds of unseeded requests' draws
         self.grammar_masks: torch.Tensor | None = None   # the structured-output masks (row 0: all allowed)
         self.clear()
@@ -127,10 +132,13 @@ class InputBatch:
         self.block_table[row, :len(req.block_ids)] = req.block_ids
         self.num_blocks[row] = len(req.block_ids)
         p = req.sampling_params
-        self.sampling[row] = (0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
-                              p.repetition_penalty, p.seed or 0, p.seed is not None, p.min_tokens,
-                              -1 if p.logprobs is None else p.logprobs)
+        self.sampling[row] = (0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p,
+                              p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                              p.seed or 0, p.seed is not None, p.min_tokens,
+                              -1 if p.logprobs is None else p.logprobs,
+                              -1 if p.prompt_logprobs is None else p.prompt_logprobs, bool(p.logit_bias))
         self.stop_ids[row] = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+        self.logit_bias[row] = p.logit_bias or {}
 
     def to_device(self, dtype: type, *arrays) -> list[torch.Tensor]:
         """Host arrays as device tensors of one dtype, in one copy: packed into one buffer (through
@@ -195,7 +203,25 @@ class InputBatch:
             step.last_rows, step.next_token_ids = self.to_device(np.int64, cu_seqlens_q[1:] - 1, next_ids)
             width = min(-(-(int(end.max()) + self.lookahead) // bs), self.block_table.shape[1])
             (step.sample_block_tables,) = self.to_device(np.int32, self.block_table[rows[sample], :width])
+        if (self.sampling["prompt_logprobs"][rows] >= 0).any():
+            step.prompt_logprobs = self.prompt_positions(seq_ids, rows, start, end, cu_seqlens_q)
         return step
+
+    def prompt_positions(self, seq_ids: list[int], rows: np.ndarray, start: np.ndarray, end: np.ndarray,
+                         cu_seqlens_q: np.ndarray) -> tuple | None:
+        """Where the step's prompt tokens that want logprobs are predicted: the positions of the
+        chunk before each (the prompt's last position predicts the output, not a prompt token)."""
+        layout, index, targets = [], [], []
+        for i in np.flatnonzero(self.sampling["prompt_logprobs"][rows] >= 0):
+            positions = np.arange(start[i], min(end[i], self.num_prompt_tokens[rows[i]] - 1))
+            if len(positions):
+                layout.append((seq_ids[i], int(start[i]) + 1, len(positions)))
+                index.append(cu_seqlens_q[i] + positions - start[i])
+                targets.append(self.token_ids[rows[i], positions + 1])
+        if not layout:
+            return None
+        num_top = int(self.sampling["prompt_logprobs"][rows].max())
+        return layout, *self.to_device(np.int64, np.concatenate(index), np.concatenate(targets)), num_top
 
     def sampling_metadata(self, step: StepInputs, grammar: GrammarOutput | None = None) -> SamplingMetadata:
         rows, ends = step.sample_rows, step.sample_ends
@@ -204,17 +230,23 @@ class InputBatch:
         seeds = self.rng.integers(2**63, size=len(rows))
         for k in np.flatnonzero(s["seeded"]):
             seeds[k] = token_seed(int(s["seed"][k]), int(index[k]))
-        blocked = [(k, t) for k in np.flatnonzero(index < s["min_tokens"]) for t in self.stop_ids[rows[k]]]
+        bias = [(k, t, -np.inf) for k in np.flatnonzero(index < s["min_tokens"]) for t in self.stop_ids[rows[k]]]
+        bias += [(k, t, b) for k in np.flatnonzero(s["biased"]) for t, b in self.logit_bias[rows[k]].items()]
         grammar_rows = None if grammar is None else self.grammar_rows(step, grammar)
         temperatures, top_ps, min_ps = self.to_device(np.float32, s["temperature"], s["top_p"], s["min_p"])
-        seeds, top_ks, blocked_t = self.to_device(np.int64, seeds, s["top_k"], np.reshape(blocked, (-1, 2)))
+        seeds, top_ks = self.to_device(np.int64, seeds, s["top_k"])
         return SamplingMetadata(   # a mask no row uses is left out
             temperatures=temperatures, top_ks=None if (s["top_k"] == 0).all() else top_ks,
             top_ps=None if (s["top_p"] == 1).all() else top_ps,
             min_ps=None if (s["min_p"] == 0).all() else min_ps, seeds=seeds, all_greedy=bool((s["temperature"] == 0).all()),
             max_num_logprobs=int(s["logprobs"].max()) if (s["logprobs"] >= 0).any() else None,
-            blocked_token_ids=tuple(blocked_t.T) if blocked else None, penalties=self.penalties(step, s),
+            logit_bias=self.bias_tensors(bias) if bias else None, penalties=self.penalties(step, s),
             grammar_masks=None if grammar is None else self.grammar_masks, grammar_rows=grammar_rows)
+
+    def bias_tensors(self, bias: list[tuple[int, int, float]]) -> tuple[torch.Tensor, ...]:
+        """(sample rows, token ids, values) on the device."""
+        rows, token_ids, values = zip(*bias)
+        return (*self.to_device(np.int64, rows, token_ids), *self.to_device(np.float32, values))
 
     def grammar_rows(self, step: StepInputs, grammar: GrammarOutput) -> torch.Tensor:
         """Write the new masks into the table; each sample row's mask row (0 if unconstrained)."""

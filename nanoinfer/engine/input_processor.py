@@ -56,15 +56,47 @@ class InputProcessor:
                                                                    and "prompt_token_ids" not in prompt)):
             raise ValueError("the engine has no tokenizer (skip_tokenizer_init): pass prompt token ids")
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), prompt["prompt_token_ids"]
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            return prompt["prompt"], self.encode(prompt["prompt"])
         if isinstance(prompt, list):
             return None, prompt
         raise ValueError("a prompt must be a str, a list of token ids, or a dict with 'prompt' or "
                          f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode()
+        except UnicodeEncodeError as e:   # (JSON's "\ud800" decodes to such a str)
+            raise ValueError(f"the text is not valid Unicode: a lone surrogate at character {e.start}") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> dict:
+        """A conversation through the model's chat template, as a prompt. A message's content is
+        a string or a list of text parts (joined by newlines, as vLLM joins them)."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; the engine was started with skip_tokenizer_init")
+        conversation = []
+        for i, message in enumerate(messages if isinstance(messages, list) else [messages]):
+            if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
+                raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {message!r}")
+            content = message["content"]
+            if isinstance(content, list):
+                kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
+                if any(k != "text" or not isinstance(p.get("text"), str) for k, p in zip(kinds, content)):
+                    raise ValueError(f"message {i}: content parts must be {{'type': 'text', 'text': str}} "
+                                     f"(this engine takes text only), got types {kinds}")
+                content = "\n".join(p["text"] for p in content)
+            conversation.append({**message, "content": content})
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as e:   # a template that refuses the conversation (roles out of order, ...)
+            raise ValueError(f"the chat template refused the messages: {e}") from e
+        # the template already wrote any BOS: do not add special tokens again
+        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
@@ -78,15 +110,18 @@ class InputProcessor:
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        bad = [t for t in params.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        for name in ("stop_token_ids", "logit_bias"):
+            bad = [t for t in getattr(params, name) or () if t >= vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} holds token id {bad[0]}, outside the vocabulary "
+                                 f"[0, {vocab_size})")
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer; the engine was started with skip_tokenizer_init")
         max_logprobs = min(self.config.max_logprobs, vocab_size)
-        if params.logprobs is not None and params.logprobs > max_logprobs:
-            raise ValueError(f"SamplingParams.logprobs={params.logprobs} is more than this engine returns "
-                             f"(max_logprobs={max_logprobs}, an engine option)")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > max_logprobs:
+                raise ValueError(f"SamplingParams.{name}={getattr(params, name)} is more than this engine "
+                                 f"returns (max_logprobs={max_logprobs}, an engine option)")
 
 
 def wrap64(x: int) -> int:

@@ -17,6 +17,8 @@ from that step's output on the device.
 speculative decoding the accepted drafts and one more), and drafts for its next step when the
 runner proposes them (EAGLE, Medusa).
 
+`EngineCoreOutput` is what the core then tells the front end of each sequence a step touched.
+
 `GrammarOutput` goes in with the call to sample, when requests are guided (structured_output/):
 made after the execute call, since with async scheduling it needs the tokens of the step before.
 The masks themselves stay on the device, one row per grammar state: the message names each
@@ -83,6 +85,8 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None = None
     spec_token_ids: list[list[int]] | None = None   # each one's drafts for the next step
     kv_loaded: dict[int, int] | None = None   # seq_id -> how many of its kv_loads blocks are good
+    # seq_id -> (position of the first prompt token scored, the logprobs of those prompt tokens)
+    prompt_logprobs: dict[int, tuple[int, LogprobsLists]] | None = None
 
 
 @dataclass
@@ -94,3 +98,19 @@ class GrammarOutput:
     mask_rows: list[int]   # [sum(num_rows)]
     new_rows: list[int]    # rows to write into the table first ...
     new_masks: np.ndarray | None   # ... with these masks: int32 [len(new_rows), ceil(vocab / 32)]
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step did to one sequence: its new tokens, and how it ended if it did."""
+    seq_id: int
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[int], list[float], int]] | None   # per token: ids, logprobs, rank
+    num_cached_tokens: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_draft_tokens: int = 0      # drafts this step scored for it
+    num_accepted_tokens: int = 0   # of which the target accepted
+    # with its first tokens: the prompt's logprobs (if asked for) and when it was first scheduled
+    prompt_logprobs: list[tuple[list[int], list[float], int] | None] | None = None
+    scheduled_time: float | None = None

@@ -34,7 +34,7 @@ from nanoinfer.engine.input_batch import InputBatch, StepInputs
 from nanoinfer.engine.messages import GrammarOutput, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from nanoinfer.kv_transfer import make_kv_connector
 from nanoinfer.layers.attention import Attention
-from nanoinfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from nanoinfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, score_prompt_tokens
 from nanoinfer.models import MODEL_REGISTRY
 from nanoinfer.models.loader import init_dummy_weights, load_model
 from nanoinfer.spec_decode.eagle import EagleProposer
@@ -51,6 +51,7 @@ class AsyncModelRunnerOutput:
         (`rows_per_request` of them per request: its drafts and one; one each by default)."""
         self.seq_ids, self.sampled, self.copied = seq_ids, None, None
         self.kv_loaded: dict[int, int] | None = None   # (a KV connector's blocks, loaded in the step)
+        self.prompt_logprobs: tuple[list, list[torch.Tensor] | None] | None = None   # (its layout, rows)
         self.rows_per_request = rows_per_request
         self.drafts = None if drafts is None else drafts.to("cpu", non_blocking=True)
         if sampled is not None:   # copies queued behind the step's kernels; the host goes on
@@ -63,13 +64,14 @@ class AsyncModelRunnerOutput:
 
     def get_output(self) -> ModelRunnerOutput:
         if self.sampled is None:
-            return ModelRunnerOutput(kv_loaded=self.kv_loaded)
+            return ModelRunnerOutput(kv_loaded=self.kv_loaded, prompt_logprobs=self.prompt_rows())
         if self.copied is not None:
             self.copied.synchronize()
         token_ids = self.sampled.sampled_token_ids.tolist()
         if self.rows_per_request is not None:   # verified drafts: rows padded with -1
             token_ids = [[t for t in row if t >= 0] for row in token_ids]
-        out = ModelRunnerOutput(self.seq_ids, token_ids, kv_loaded=self.kv_loaded)
+        out = ModelRunnerOutput(self.seq_ids, token_ids, kv_loaded=self.kv_loaded,
+                                prompt_logprobs=self.prompt_rows())
         if self.drafts is not None:
             out.spec_token_ids = self.drafts.tolist()
         if self.sampled.logprobs is not None:   # a request's emitted tokens are its first sample rows
@@ -79,6 +81,15 @@ class AsyncModelRunnerOutput:
             ids, logprobs, ranks = s.logprob_token_ids.tolist(), s.logprobs.tolist(), s.sampled_token_ranks.tolist()
             out.logprobs = LogprobsLists([ids[r] for r in rows], [logprobs[r] for r in rows], [ranks[r] for r in rows])
         return out
+
+    def prompt_rows(self) -> dict | None:
+        """seq_id -> (position of its first token scored, LogprobsLists of its tokens)."""
+        if self.prompt_logprobs is None or self.prompt_logprobs[1] is None:
+            return None
+        layout, (ids, logprobs, ranks) = self.prompt_logprobs[0], (t.tolist() for t in self.prompt_logprobs[1])
+        starts = itertools.accumulate([n for _, _, n in layout], initial=0)
+        return {seq_id: (first, LogprobsLists(ids[k:k + n], logprobs[k:k + n], ranks[k:k + n]))
+                for (seq_id, first, n), k in zip(layout, starts)}
 
 
 class ModelRunner:
@@ -130,6 +141,7 @@ class ModelRunner:
         self.allocate_kv_cache()
         self.kv_connector = kv_connector or make_kv_connector(config, dist.get_rank() if dist.is_initialized() else 0)
         self.kv_loaded: dict[int, int] | None = None   # the step's loaded KV blocks, for its output
+        self.prompt_logprobs = None   # (layout, rows) of the step's prompt tokens, for its output
         self.pending: tuple[StepInputs, torch.Tensor, torch.Tensor] | None = None   # executed, not sampled
         self.graph_runner = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -251,7 +263,12 @@ class ModelRunner:
         if not self.pp_group.is_last:   # to the next stage; the last samples
             for t in hidden_states:
                 self.pp_group.send_next(t)
-        elif step.sample_seq_ids:
+            return
+        if step.prompt_logprobs is not None:
+            layout, index, targets, num_top = step.prompt_logprobs
+            self.prompt_logprobs = layout, score_prompt_tokens(self.model.compute_logits, hidden_states,
+                                                               index, targets, num_top)
+        if step.sample_seq_ids:
             self.pending = step, self.model.compute_logits(hidden_states[step.logits_indices]), hidden_states
         elif isinstance(self.drafter, EagleProposer):   # a prompt chunk: its keys and values for EAGLE too
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -261,7 +278,8 @@ class ModelRunner:
         """Process the executed step's logits and sample (still without waiting for the GPU);
         `grammar`: the bitmask of the constrained requests' rows (structured output)."""
         output = self.sample(grammar)
-        output.kv_loaded, self.kv_loaded = self.kv_loaded, None
+        output.kv_loaded, output.prompt_logprobs, self.kv_loaded, self.prompt_logprobs = \
+            self.kv_loaded, self.prompt_logprobs, None, None
         return output
 
     @torch.inference_mode()

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanoinfer.engine.core import EngineCoreRequest
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
-from nanoinfer.engine.scheduler import EngineCoreOutput
+from nanoinfer.engine.messages import EngineCoreOutput
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -54,12 +54,9 @@ class CompletionState:
             return None
         self.token_ids += out.new_token_ids
         self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
-        for token_ids, logprobs, rank in out.new_logprobs or ():
-            self.cumulative_logprob += logprobs[0]
-            entry = {token_ids[0]: Logprob(logprobs[0], rank, self.decode(token_ids[0]))}
-            for r, (t, lp) in enumerate(zip(token_ids[1:self.params.logprobs + 1], logprobs[1:]), start=1):
-                entry.setdefault(t, Logprob(lp, r, self.decode(t)))
-            self.logprobs.append(entry)
+        for row in out.new_logprobs or ():
+            self.cumulative_logprob += row[1][0]
+            self.logprobs.append(logprob_entry(row, self.params.logprobs, self.tokenizer))
         if self.detokenizer is None:
             return None
         new_token_ids = out.new_token_ids
@@ -69,9 +66,6 @@ class CompletionState:
         if stop_string is not None:
             self.finish_reason, self.stop_reason = "stop", stop_string
         return stop_string
-
-    def decode(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def completion(self, delta: bool) -> CompletionOutput:
         finished = self.finish_reason is not None
@@ -88,6 +82,19 @@ class CompletionState:
                                 finish_reason=self.finish_reason, stop_reason=self.stop_reason)
 
 
+def logprob_entry(row: tuple[list[int], list[float], int], num_top: int, tokenizer) -> dict[int, Logprob]:
+    """One token's logprobs (ids and logprobs: the token's own, then the top ones; its rank) as
+    {token id: Logprob}, the token first and then the top `num_top`."""
+    token_ids, logprobs, rank = row
+
+    def decode(token_id: int) -> str | None:
+        return None if tokenizer is None else tokenizer.decode([token_id])
+    entry = {token_ids[0]: Logprob(logprobs[0], rank, decode(token_ids[0]))}
+    for r, (t, lp) in enumerate(zip(token_ids[1:num_top + 1], logprobs[1:]), start=1):
+        entry.setdefault(t, Logprob(lp, r, decode(t)))
+    return entry
+
+
 class RequestState:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -96,6 +103,7 @@ class RequestState:
         self.output_kind, self.completions, self.seq_ids = output_kind, completions, seq_ids
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # with the first tokens
         self.updated: set[int] = set()   # completions with news since the last output
 
     @property
@@ -108,8 +116,11 @@ class RequestState:
         delta = self.output_kind == RequestOutputKind.DELTA
         completions = [c.completion(delta) for c in self.completions if not delta or c.index in self.updated]
         self.updated.clear()
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
-                             self.num_cached_tokens, self.metrics)
+        out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
+                            self.num_cached_tokens, self.metrics, self.prompt_logprobs)
+        if delta:   # (a DELTA output brings them once)
+            self.prompt_logprobs = None
+        return out
 
 
 class OutputProcessor:
@@ -167,6 +178,11 @@ class OutputProcessor:
                 state.metrics.last_token_time = now
             if completion.index == 0:
                 state.num_cached_tokens = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    num_top = completion.params.prompt_logprobs
+                    state.prompt_logprobs = [None] + [logprob_entry(row, num_top, self.tokenizer)
+                                                      for row in out.prompt_logprobs]
+            state.metrics.first_scheduled_time = state.metrics.first_scheduled_time or out.scheduled_time
             state.updated.add(completion.index)
             touched[state.request_id] = state
         outputs = []

@@ -21,12 +21,11 @@ max_tokens or max_model_len is not scheduled again.
 `update_from_output` then appends the sampled tokens and applies the token-level stops (EOS,
 stop_token_ids, max_tokens, max_model_len) to each in order. A token sampled for a sequence that
 stopped (or was aborted) meanwhile is dropped.
-
 A KV connector (kv_transfer/) may have some of a waiting request's prompt blocks: the request is
 then admitted with blocks for them and nothing to compute, its step loads them, and it waits
 (WAITING_FOR_REMOTE_KVS) until that step's output says how many were good, which then count as
-computed. A producer's steps list the full prompt blocks they compute, to be saved.
-
+computed. A producer's steps list the full prompt blocks they compute, to be saved. A request
+that wants its prompt's logprobs reads no cached blocks: every prompt position is computed.
 Pipeline parallelism (P stages, engine/core.py): a sequence with a step in flight is skipped, and
 a step takes at most max_num_seqs / P sequences, so that P steps in flight hold disjoint ones.
 
@@ -35,28 +34,15 @@ tokens, in the same budget, trimmed so that the step cannot run past max_tokens 
 The step counts them as computed; `update_from_output` takes the rejected ones back off
 `num_computed_tokens` (their slots are overwritten later) before it appends the emitted tokens.
 """
+import time
 from collections import deque
-from dataclasses import dataclass
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from nanoinfer.engine.messages import EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
 from nanoinfer.spec_decode.metrics import SpecDecodingStats
 from nanoinfer.spec_decode.ngram_proposer import NgramProposer
-
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    """What one step did to one sequence: its new tokens, and how it ended if it did."""
-    seq_id: int
-    new_token_ids: list[int]
-    new_logprobs: list[tuple[list[int], list[float], int]] | None   # per token: ids, logprobs, rank
-    num_cached_tokens: int
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_draft_tokens: int = 0      # drafts this step scored for it
-    num_accepted_tokens: int = 0   # of which the target accepted
 
 
 class Scheduler:
@@ -138,7 +124,7 @@ class Scheduler:
             if self.pipelined and seq.num_output_placeholders:   # preempted with its token in flight
                 i += 1
                 continue
-            computed = self.block_manager.get_computed_blocks(seq)
+            computed = [] if seq.prompt_logprobs is not None else self.block_manager.get_computed_blocks(seq)
             if self.lookahead and computed:   # EAGLE: the draft layer's keys at a cached block's last
                 computed = computed[:-1]      # position came from the token after it, which may differ
             bs = self.block_manager.block_size
@@ -148,6 +134,7 @@ class Scheduler:
             if self.block_manager.allocate_slots(seq, len(external) * bs + num_new + lookahead, computed) is None:
                 break
             del self.waiting[i]
+            seq.first_scheduled_time = seq.first_scheduled_time or time.time()
             seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS if external else SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
             if seq.num_cached_tokens is None and not external:
@@ -198,7 +185,7 @@ class Scheduler:
     def external_blocks(self, seq: Sequence, num_computed_blocks: int) -> list[int]:
         """The hashes of the prompt blocks after the cached ones that the KV connector has (at
         least one prompt token is still computed)."""
-        if self.kv_connector is None:
+        if self.kv_connector is None or seq.prompt_logprobs is not None:   # (those compute it all)
             return []
         hashes = seq.block_hashes[num_computed_blocks:(seq.num_tokens - 1) // self.block_manager.block_size]
         return hashes[:self.kv_connector.num_matched_blocks(hashes)]
@@ -241,13 +228,7 @@ class Scheduler:
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append each sampled sequence's new tokens, applying the token-level stops to each in order."""
-        for seq_id, num_good in (runner_output.kv_loaded or {}).items():   # loaded KV blocks: computed
-            seq = self.requests.get(seq_id)
-            if seq is not None and seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
-                seq.status = SequenceStatus.RUNNING
-                seq.num_computed_tokens += num_good * self.block_manager.block_size
-                seq.num_cached_tokens = seq.num_computed_tokens
-                self.block_manager.cache_full_blocks(seq)
+        self.update_prompts(runner_output)
         outputs, lp, lp_row = [], runner_output.logprobs, 0
         for row, (seq_id, token_ids) in enumerate(zip(runner_output.seq_ids, runner_output.sampled_token_ids)):
             lp_row += len(token_ids)
@@ -280,9 +261,27 @@ class Scheduler:
                     seq.spec_token_ids = self.ngram.propose(seq)
                 elif runner_output.spec_token_ids is not None:
                     seq.spec_token_ids = runner_output.spec_token_ids[row]
-            outputs.append(EngineCoreOutput(seq_id, new_token_ids, new_logprobs, seq.num_cached_tokens,
-                                            seq.finish_reason, seq.stop_reason, num_drafts, len(token_ids) - 1))
+            first = seq.num_output_tokens == len(new_token_ids)
+            outputs.append(EngineCoreOutput(
+                seq_id, new_token_ids, new_logprobs, seq.num_cached_tokens, seq.finish_reason, seq.stop_reason,
+                num_drafts, len(token_ids) - 1, seq.prompt_logprobs if first else None,
+                seq.first_scheduled_time if first else None))
         return outputs
+
+    def update_prompts(self, runner_output: ModelRunnerOutput) -> None:
+        """What a step did for prompts: the KV blocks it loaded (now computed), the logprobs of
+        prompt tokens (kept until the first output token goes out with them)."""
+        for seq_id, num_good in (runner_output.kv_loaded or {}).items():
+            seq = self.requests.get(seq_id)
+            if seq is not None and seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
+                seq.status = SequenceStatus.RUNNING
+                seq.num_computed_tokens += num_good * self.block_manager.block_size
+                seq.num_cached_tokens = seq.num_computed_tokens
+                self.block_manager.cache_full_blocks(seq)
+        for seq_id, (first, rows) in (runner_output.prompt_logprobs or {}).items():
+            if (seq := self.requests.get(seq_id)) is not None:
+                seq.prompt_logprobs[first - 1:first - 1 + len(rows.logprobs)] = zip(
+                    rows.logprob_token_ids, rows.logprobs, rows.sampled_token_ranks)
 
     def check_stop(self, seq: Sequence, token_id: int) -> bool:
         params = seq.sampling_params

@@ -60,6 +60,9 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.hash_full_blocks()
         self.grammar = None   # structured output: its constraint and state (structured_output/)
+        # the prompt's logprobs (SamplingParams.prompt_logprobs): a row per token but the first
+        self.prompt_logprobs = None if sampling_params.prompt_logprobs is None else [None] * (self.num_prompt_tokens - 1)
+        self.first_scheduled_time: float | None = None   # (time.time(), for a server's metrics)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 

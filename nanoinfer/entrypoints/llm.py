@@ -99,17 +99,11 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None:
-            raise ValueError("chat needs a tokenizer; the engine was started with skip_tokenizer_init")
+        processor = self.llm_engine.input_processor
         prompts = []
         for i, conversation in enumerate(conversations):
-            for j, message in enumerate(conversation if isinstance(conversation, list) else [conversation]):
-                if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
-                    raise ValueError(f"message {j} of conversation {i} must be a dict with 'role' and "
-                                     f"'content', got {message!r}")
-            text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
-            # the template already wrote any BOS: do not add special tokens again
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            try:
+                prompts.append(processor.chat_prompt(conversation, add_generation_prompt))
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -4,8 +4,9 @@ Order of operations (vLLM's):
 1. Logprobs, when asked for, are the raw model's: log_softmax of the logits as they come (but
    after a grammar's mask, see 2).
 2. Logits processing. A guided request's grammar bitmask comes first (structured_output/; so its
-   logprobs see the constraint, as vLLM's do). Tokens that may not be sampled yet are set to -inf (EOS and stop ids before
-   min_tokens). Then the penalties, from each row's tokens so far: repetition (for tokens of the
+   logprobs see the constraint, as vLLM's do). Then each request's `logit_bias` is added, and
+   tokens that may not be sampled yet get -inf (EOS and stop ids before min_tokens). Then the
+   penalties, from each row's tokens so far: repetition (for tokens of the
    prompt or the output, a positive logit is divided by it, a negative one multiplied), frequency
    (minus the penalty times the token's count in the output) and presence (minus the penalty if
    the output has the token).
@@ -49,7 +50,8 @@ class SamplingMetadata:
     seeds: torch.Tensor                 # int64 [rows]: each row's random draw depends on its seed alone
     all_greedy: bool
     max_num_logprobs: int | None        # the most top-N logprobs any row asked for
-    blocked_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, token ids) masked out
+    # (rows, token ids, values) added to the logits: logit_bias, and -inf for tokens blocked
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     penalties: Penalties | None = None
     grammar_masks: torch.Tensor | None = None   # int32 [table rows, ceil(vocab / 32)]: allowed tokens ...
     grammar_rows: torch.Tensor | None = None    # int32 [rows]: ... each row's mask (0: all)
@@ -102,6 +104,30 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks: torch.Tensor | None, t
     return logits
 
 
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Of each row of logprobs [rows, vocab], the tokens `token_ids` [rows, 1] and the top
+    `num_top`: their ids and logprobs [rows, 1 + num_top], the token first, and its rank [rows]
+    (1 = the most likely)."""
+    top = logprobs.topk(num_top, dim=-1)
+    chosen = logprobs.gather(1, token_ids)
+    return torch.cat([token_ids, top.indices], 1), torch.cat([chosen, top.values], 1), \
+        (logprobs >= chosen).sum(dim=-1)
+
+
+def score_prompt_tokens(compute_logits, hidden_states: torch.Tensor, index: torch.Tensor,
+                    targets: torch.Tensor, num_top: int, chunk: int = 256) -> list[torch.Tensor] | None:
+    """`gather_logprobs` of the tokens `targets` from the logits of the hidden states at `index`,
+    `chunk` rows at a time (a row of float32 logits over a large vocabulary is half a MB); None
+    on the ranks that get no logits (tensor parallelism: every rank must take part)."""
+    out = []
+    for i in range(0, len(index), chunk):
+        logits = compute_logits(hidden_states[index[i:i + chunk]])
+        if logits is not None:
+            out.append(gather_logprobs(logits.float().log_softmax(-1), targets[i:i + chunk, None], num_top))
+    return [torch.cat(parts) for parts in zip(*out)] if out else None
+
+
 def exponential_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
     """The draw in torch (the CPU's path, and the GPU kernel's reference); T = 0 rows take the argmax."""
     scaled = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
@@ -119,21 +145,19 @@ class Sampler(nn.Module):
         if meta.grammar_masks is not None:   # (first, as vLLM: the logprobs see it too)
             apply_token_bitmask(logits, meta.grammar_masks, meta.grammar_rows)
         raw_logprobs = None if meta.max_num_logprobs is None else logits.float().log_softmax(dim=-1)
-        if meta.blocked_token_ids is not None:   # (a value on the device: a Python float would be copied over)
+        if meta.logit_bias is not None:
             allowed = None if meta.grammar_masks is None else logits.clone()
-            logits.index_put_(meta.blocked_token_ids, logits.new_full((), float("-inf")))
+            rows, token_ids, values = meta.logit_bias
+            logits.index_put_((rows, token_ids), values.to(logits.dtype), accumulate=True)
             if allowed is not None:   # a grammar that allows only what min_tokens blocks (EOS) wins
                 logits.copy_(torch.where(logits.isneginf().all(-1, keepdim=True), allowed, logits))
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
         token_ids = self.sample(logits, meta).unsqueeze(1)
         out = SamplerOutput(token_ids)
-        if raw_logprobs is not None:   # the first column is the token actually chosen
-            top = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
-            chosen = raw_logprobs.gather(1, token_ids)
-            out.logprob_token_ids = torch.cat([token_ids, top.indices], dim=1)
-            out.logprobs = torch.cat([chosen, top.values], dim=1)
-            out.sampled_token_ranks = (raw_logprobs >= chosen).sum(dim=-1)
+        if raw_logprobs is not None:
+            out.logprob_token_ids, out.logprobs, out.sampled_token_ranks = gather_logprobs(
+                raw_logprobs, token_ids, meta.max_num_logprobs)
         return out
 
     @staticmethod
