@@ -1,9 +1,13 @@
 """`python -m nanoinfer.serve --model PATH [--port 8000] [--host 127.0.0.1] [--api-key KEY]
-[--data-parallel-size N] [engine options]`: the OpenAI-compatible server (entrypoints/).
+[--data-parallel-size N] [--max-request-bytes N] [--shutdown-timeout S] [engine options]`: the
+OpenAI-compatible server (entrypoints/).
 
 Every engine option of `Config` is a flag of the same name in vLLM's spelling
 (`--max-model-len 4096`, `--tensor-parallel-size 2`, `--enable-prefix-caching` /
-`--no-enable-prefix-caching`, ...). It binds 127.0.0.1 unless told otherwise.
+`--no-enable-prefix-caching`, ...). It binds 127.0.0.1 unless told otherwise. Without `--model`
+it serves the embedded default model under the name `SmolLM2-135M-Instruct`. On SIGTERM (or
+Ctrl-C) it stops accepting, gives the requests in flight `--shutdown-timeout` seconds to finish,
+aborts the rest, stops its engine cores and exits.
 """
 import argparse
 import dataclasses
@@ -21,6 +25,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine-core processes")
+    parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies: a 413")
+    parser.add_argument("--shutdown-timeout", type=float, default=5.0,
+                        help="seconds the requests in flight get to finish on SIGTERM")
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         kind = typing.get_args(hints[f.name])[0] if typing.get_args(hints[f.name]) else hints[f.name]
@@ -40,15 +47,22 @@ def main(argv=None) -> None:
     from nanoinfer.engine.async_llm import AsyncLLM
     from nanoinfer.entrypoints.openai_server import create_app
     args = parse_args(argv)
+    name = args.served_model_name or args.model
     if args.model is None:
         from nanoinfer.default_model import default_model_path
-        args.model = default_model_path()
+        args.model, name = default_model_path(), args.served_model_name or "SmolLM2-135M-Instruct"
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
                if f.init and f.name != "model" and hasattr(args, f.name)}
     engine = AsyncLLM(args.model, data_parallel_size=args.data_parallel_size, **options)
     try:
-        uvicorn.run(create_app(engine, args.served_model_name or args.model, args.api_key),
-                    host=args.host, port=args.port, log_level="warning")
+        app = create_app(engine, name, args.api_key, args.max_request_bytes)
+        c = engine.config
+        print(f"nanoinfer: serving {name!r} at http://{args.host}:{args.port}/v1 (max_model_len="
+              f"{c.max_model_len}, data parallel {args.data_parallel_size}, tensor parallel "
+              f"{c.tensor_parallel_size}, pipeline parallel {c.pipeline_parallel_size}, {c.device}, "
+              f"{str(c.torch_dtype).removeprefix('torch.')}{', API key required' if args.api_key else ''})", flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=args.shutdown_timeout)
     finally:
         engine.shutdown()
 

@@ -3,7 +3,8 @@
     async for out in engine.generate(prompt, params, request_id):   # a RequestOutput per step
         ...
 
-The front end runs in the caller's event loop: it tokenizes and validates the request
+The front end runs in the caller's event loop: it tokenizes and validates the request in a
+thread of its own, so that a long prompt or a grammar being built holds up no stream
 (InputProcessor; a bad one raises ValueError at once), sends it to an engine core process
 (core_client.py), and gives the request a stream. The client's reader thread hands each step's
 token ids to the event loop, where the OutputProcessor detokenizes them and puts each request's
@@ -21,7 +22,8 @@ request, which frees its blocks in the core at once.
 import asyncio
 import logging
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from nanoinfer.config import Config
 from nanoinfer.engine.core_client import EngineCoreClient
@@ -79,6 +81,10 @@ class AsyncLLM:
         self.streams: dict[str, RequestStream] = {}
         self.loop: asyncio.AbstractEventLoop | None = None   # the caller's, from the first request on
         self.errors: dict[int, EngineDeadError] = {}   # the cores that died, and why
+        self.inputs = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-inputs")
+        # a server's metrics: stat_logger(core rank, SchedulerStats or None, EngineCoreOutputs,
+        # RequestOutputs), after each step's outputs, and with the output of each aborted request
+        self.stat_logger: Callable | None = None
         self.client = EngineCoreClient(self.config, self.on_message, data_parallel_size)
         weakref.finalize(self, self.client.shutdown)
 
@@ -86,9 +92,10 @@ class AsyncLLM:
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (as `params.output_kind` says); the last one is finished."""
         self.loop = asyncio.get_running_loop()
-        text, request = self.input_processor.process(request_id, prompt, params)
         if len(self.errors) == len(self.client.conns):
             raise fresh(next(iter(self.errors.values())))
+        text, request = await self.loop.run_in_executor(self.inputs, self.input_processor.process,
+                                                        request_id, prompt, params)
         self.output_processor.add_request(text, request)   # (ValueError if the id is in use)
         stream = self.streams[request_id] = RequestStream(request.params[0].output_kind)
         try:
@@ -110,6 +117,9 @@ class AsyncLLM:
     def forget(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
         if request_id in self.output_processor.requests:
+            if self.stat_logger is not None:
+                aborted = self.output_processor.aborted_output(request_id)
+                self.stat_logger(self.client.owner.get(request_id, 0), None, [], [aborted])
             self.client.abort(request_id, self.output_processor.remove_request(request_id))
         self.client.finished(request_id)
 
@@ -132,6 +142,8 @@ class AsyncLLM:
         touched = {seqs[o.seq_id][0].request_id for o in message[1] if o.seq_id in seqs}
         try:
             outputs, stopped = self.output_processor.process_outputs(message[1])
+            if self.stat_logger is not None:
+                self.stat_logger(rank, message[2], message[1], outputs)
             for seq_id, _ in stopped:   # ended by a stop string: the core has not seen that
                 self.client.send(rank, ("abort", [seq_id]))
             for out in outputs:
@@ -156,5 +168,6 @@ class AsyncLLM:
     def shutdown(self) -> None:
         """Stop the core processes; requests still live get EngineDeadError."""
         self.client.shutdown()
+        self.inputs.shutdown(wait=False, cancel_futures=True)
         for rank in range(len(self.client.conns)):
             self.on_message(rank, ("dead", "the engine was shut down"))

@@ -69,6 +69,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0      # ... and found there
     num_requests_added: int = 0     # requests received, in all
     num_aborted_seqs: int = 0       # sequences ended early: aborted, or by a stop string, in all
+    num_preemptions: int = 0        # in all
+    num_step_tokens: int = 0        # tokens the last step computed
 
 
 class EngineCore:
@@ -147,7 +149,8 @@ class EngineCore:
         return SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting),
                               1 - bm.num_free_blocks / bm.num_blocks, bm.num_prefix_query_tokens,
                               bm.num_prefix_hit_tokens, self.num_requests_added,
-                              self.num_aborted_seqs)
+                              self.num_aborted_seqs, self.scheduler.num_preemptions,
+                              self.num_prefill_tokens + self.num_decode_tokens)
 
     def abort_all(self) -> None:
         """Abort every request. A step cut off half-way may have entered blocks in the prefix

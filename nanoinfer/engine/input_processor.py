@@ -43,8 +43,11 @@ class InputProcessor:
                 raise ValueError("guided decoding needs a tokenizer; the engine was started with skip_tokenizer_init")
             try:
                 grammar = guided_regex(params.guided_decoding)
+            except ValueError as e:
+                raise ValueError(f"SamplingParams.guided_decoding: {e}") from e
             except (TypeError, AttributeError, KeyError, RecursionError) as e:   # a keyword's wrong type, say
-                raise ValueError(f"guided decoding: malformed constraint ({type(e).__name__}: {e})") from e
+                raise ValueError("SamplingParams.guided_decoding: malformed constraint "
+                                 f"({type(e).__name__}: {e})") from e
         max_tokens = params.max_tokens or self.config.max_model_len - len(token_ids)
         children = [params if params.seed is None else dataclasses.replace(params, seed=wrap64(params.seed + i))
                     for i in range(params.n)]   # the samples of n > 1: seeds seed, seed + 1, ...

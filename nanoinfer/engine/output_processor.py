@@ -176,6 +176,7 @@ class OutputProcessor:
             if out.new_token_ids:
                 state.metrics.first_token_time = state.metrics.first_token_time or now
                 state.metrics.last_token_time = now
+                state.metrics.num_generation_tokens += len(out.new_token_ids)
             if completion.index == 0:
                 state.num_cached_tokens = out.num_cached_tokens
                 if out.prompt_logprobs is not None:

@@ -1,18 +1,31 @@
 """The OpenAI API's shapes: the request bodies, their mapping to SamplingParams, the error body,
-and RequestOutputs as response objects (a streamed chunk, or the whole answer).
+and RequestOutputs as response objects (streamed chunks, or the whole answer).
 
-A wrong type in a body is pydantic's to find (a 400 naming the field); a value the engine cannot
-take is an `APIError` (a 400 naming the parameter, 404 for an unknown model); either way the body
-is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+Types are strict, as OpenAI's are (`"stream": "yes"` and `"seed": "5"` are 400s); a wrong type
+is pydantic's to find, a value the engine cannot take an `APIError`: either way a 400 naming the
+field (`param`) in OpenAI's body, `{"error": {"message", "type", "param", "code"}}`. Unknown
+fields are accepted (clients send new ones), but a known field that would change the answer if
+honoured and is not supported (`tools`, `suffix`, `best_of` > n, ...) is refused, never ignored.
+vLLM's extra fields are taken too: `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
+`repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
+`prompt_logprobs`, `guided_json` / `guided_regex` / `guided_choice`.
 """
+import re
 import time
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from nanoinfer.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+# fields we do not support, and the values of theirs that change nothing
+REFUSED = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
+           "function_call": (None, "none", "auto"), "suffix": (None, ""), "guided_grammar": (None,),
+           "use_beam_search": (None, False), "audio": (None,), "modalities": (None, ["text"])}
+
 
 class SamplingFields(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -22,20 +35,30 @@ class SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
+    best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: dict | None = None
     response_format: dict | None = None
     ignore_eos: bool = False   # vLLM's extra fields
     min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16   # (OpenAI's default for completions)
     logprobs: int | None = None
+    echo: bool = False
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -52,101 +75,180 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    kind = {401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError"}.get(
-        status, "BadRequestError" if status < 500 else "InternalServerError")
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def sampling_params(request, prompt_len: int, chat: bool, max_model_len: int) -> SamplingParams:
-    if request.n != 1:
-        raise APIError(400, "n must be 1 (several choices per request are not supported yet)", "n")
-    if prompt_len >= max_model_len:
-        raise APIError(400, f"the prompt has {prompt_len} tokens; this model's maximum context length is "
-                            f"{max_model_len} (prompt and output)", "messages" if chat else "prompt")
-    max_tokens = request.max_tokens
-    if chat and request.max_completion_tokens is not None:
-        max_tokens = request.max_completion_tokens
-    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-                            f"{prompt_len} and max_tokens asks for {max_tokens} more", "max_tokens")
-    guided, fmt = None, request.response_format or {"type": "text"}
+def check_fields(request) -> None:
+    """The fields that must be refused rather than ignored, and those OpenAI only takes together."""
+    given = request.model_extra or {}
+    for name, harmless in REFUSED.items():
+        if given.get(name) not in harmless:
+            raise APIError(400, f"{name} is not supported by this server", name)
+    if request.best_of not in (None, request.n):
+        raise APIError(400, f"best_of={request.best_of} is not supported: it must equal n", "best_of")
+    if request.stream_options is not None and not request.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+    if request.logit_bias and not all(re.fullmatch("[0-9]+", k) and -100 <= v <= 100
+                                      for k, v in request.logit_bias.items()):
+        raise APIError(400, "logit_bias maps token ids (integer strings) to numbers in [-100, 100],"
+                            f" got {request.logit_bias}", "logit_bias")
+
+
+def guided_decoding(request) -> GuidedDecodingParams | None:
+    """response_format, or vLLM's guided_json / guided_regex / guided_choice."""
+    guided = {k: v for k, v in (("json", request.guided_json), ("regex", request.guided_regex),
+                                ("choice", request.guided_choice)) if v is not None}
+    fmt = request.response_format or {"type": "text"}
     if fmt.get("type") == "json_object":
-        guided = GuidedDecodingParams(json={"type": "object"})
+        guided["json"] = {"type": "object"}
     elif fmt.get("type") == "json_schema":
         spec = fmt.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise APIError(400, "response_format json_schema needs json_schema.schema, an object", "response_format")
-        guided = GuidedDecodingParams(json=schema)
+            raise APIError(400, "response_format json_schema needs json_schema.schema, an object",
+                           "response_format")
+        guided["json"] = schema
     elif fmt.get("type") != "text":
-        raise APIError(400, f"response_format type {fmt.get('type')!r} is not one of text, json_object, "
-                            "json_schema", "response_format")
+        raise APIError(400, f"response_format type {fmt.get('type')!r} is not one of text, "
+                            "json_object, json_schema", "response_format")
+    if len(guided) > 1:
+        raise APIError(400, f"one constraint at most, got {sorted(guided)}", "response_format")
+    return GuidedDecodingParams(**guided) if guided else None
+
+
+def field_names(request, chat: bool) -> dict[str, str]:
+    """SamplingParams' fields by the names the request gave them (the others: the same)."""
+    names = {"guided_decoding": "response_format", "logprobs": "top_logprobs" if chat else "logprobs"}
+    if chat and request.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    return names
+
+
+def sampling_params(request, prompt_lens: list[int], chat: bool, max_model_len: int
+                    ) -> SamplingParams:
+    check_fields(request)
+    where = "messages" if chat else "prompt"
+    if max(prompt_lens) >= max_model_len:
+        raise APIError(400, f"the prompt has {max(prompt_lens)} tokens; this model's maximum context "
+                            f"length is {max_model_len} (prompt and output)", where)
+    names = field_names(request, chat)
+    max_tokens = request.max_completion_tokens if "max_tokens" in names else request.max_tokens
+    names.setdefault("max_tokens", "max_tokens")
+    if max_tokens is not None and max(prompt_lens) + max_tokens > max_model_len:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the "
+                            f"prompt has {max(prompt_lens)} and {names['max_tokens']} asks for "
+                            f"{max_tokens} more", names["max_tokens"])
     if chat and request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    logprobs = request.logprobs if not chat else (request.top_logprobs or 0) if request.logprobs else None
+    logprobs = request.logprobs
+    if chat:
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    echo = not chat and request.echo
+    fields = {name: getattr(request, name) for name in (
+        "temperature", "top_p", "top_k", "min_p", "seed", "n", "presence_penalty",
+        "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
+        "include_stop_str_in_output", "skip_special_tokens")}
     try:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-            min_p=request.min_p, seed=request.seed, stop=request.stop, presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
-            ignore_eos=request.ignore_eos, min_tokens=request.min_tokens, logprobs=logprobs, guided_decoding=guided,
+            **fields, max_tokens=max_tokens, stop=request.stop, stop_token_ids=request.stop_token_ids,
+            logprobs=logprobs, prompt_logprobs=logprobs if echo and logprobs is not None
+            else request.prompt_logprobs, guided_decoding=guided_decoding(request),
+            logit_bias={int(k): v for k, v in (request.logit_bias or {}).items()} or None,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
     except ValueError as e:
-        raise APIError(400, str(e)) from e
+        raise api_error(e, names) from e
+
+
+def api_error(error: ValueError, names: dict[str, str]) -> APIError:
+    """The engine's ValueError in the API's words: "SamplingParams.x" becomes the field's name."""
+    message = str(error)
+    m = re.search(r"SamplingParams\.(\w+)", message)
+    if m is None:
+        return APIError(400, message)
+    param = names.get(m.group(1), m.group(1))
+    return APIError(400, message.replace(m.group(0), param), param)
 
 
 class Chunker:
-    """RequestOutputs as OpenAI's response objects: streamed chunks, or the whole answer."""
+    """RequestOutputs as OpenAI's response objects: streamed chunks, or the whole answer. Choice
+    `i * n + j` is sample j of prompt i; `echo` puts each prompt (and its logprobs) first."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, prompt_tokens: int, top_n: int | None):
-        self.id, self.model, self.chat, self.created = request_id, model, chat, int(time.time())
-        self.prompt_tokens, self.completion_tokens, self.first, self.top_n = prompt_tokens, 0, True, top_n
-        self.cached_tokens = 0   # prompt tokens not computed: found in the prefix cache, or loaded (kv_transfer/)
+    def __init__(self, request_id: str, model: str, chat: bool, n: int, prompts: list[dict],
+                 top_n: int | None, echo: bool, tokenizer):
+        self.id, self.model, self.chat, self.n = request_id, model, chat, n
+        self.created = int(time.time())
+        self.prompts, self.top_n, self.echo, self.tokenizer = prompts, top_n, echo, tokenizer
+        self.completion_tokens: dict[int, int] = {}   # per choice
+        self.offsets: dict[int, int] = {}   # per choice: the length of the text sent so far
+        self.cached_tokens = [0] * len(prompts)   # found in the prefix cache, or loaded (kv_transfer/)
 
     def head(self, suffix: str = "") -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
         return {"id": self.id, "object": kind + suffix, "created": self.created, "model": self.model}
 
-    def choice(self, out, delta: bool) -> dict:
-        c, self.cached_tokens = out.outputs[0], out.num_cached_tokens
-        self.completion_tokens = self.completion_tokens + len(c.token_ids) if delta else len(c.token_ids)
-        choice = {"index": 0, "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
-                  "stop_reason": c.stop_reason}
+    def choice(self, i: int, out, c, delta: bool) -> dict:
+        index, self.cached_tokens[i] = i * self.n + c.index, out.num_cached_tokens
+        first = index not in self.offsets
+        self.completion_tokens[index] = self.completion_tokens.get(index, 0) + len(c.token_ids)
+        text, tokens = c.text, c.logprobs
+        if first and self.echo:   # the prompt first, its first token without a logprob
+            text = (self.prompts[i].get("prompt") or self.tokenizer.decode(out.prompt_token_ids)) + text
+            if tokens is not None:
+                first_token = {out.prompt_token_ids[0]: None}
+                tokens = [first_token] + (out.prompt_logprobs or [None])[1:] + tokens
+        choice = {"index": index, "logprobs": self.logprobs(tokens, index),
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        self.offsets[index] = self.offsets.get(index, 0) + len(text)
         if not self.chat:
-            return choice | {"text": c.text}
+            return choice | {"text": text}
         if delta:
-            choice["delta"] = ({"role": "assistant"} if self.first else {}) | {"content": c.text}
-            self.first = False
-            return choice
-        return choice | {"message": {"role": "assistant", "content": c.text}}
+            return choice | {"delta": ({"role": "assistant"} if first else {}) | {"content": text}}
+        return choice | {"message": {"role": "assistant", "content": text}}
 
-    def logprobs(self, entries) -> dict | None:
+    def logprobs(self, entries, index: int) -> dict | None:
         if entries is None:
             return None
-        if not self.chat:   # (without a tokenizer a token is named by its id)
-            def name(t, lp):
-                return f"token_id:{t}" if lp.decoded_token is None else lp.decoded_token
-            sampled = [next(iter(e.items())) for e in entries]
-            return {"tokens": [name(*s) for s in sampled], "token_logprobs": [lp.logprob for _, lp in sampled],
-                    "top_logprobs": [{name(t, lp): lp.logprob for t, lp in reversed(e.items())}   # (the first wins)
-                                     for e in entries]}
+        if not self.chat:
+            return self.completion_logprobs(entries, index)
 
         def item(lp) -> dict:
-            return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+            token = lp.decoded_token
+            return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
         return {"content": [item(next(iter(e.values()))) | {"top_logprobs": [
             item(lp) for lp in sorted(e.values(), key=lambda lp: lp.rank) if lp.rank <= self.top_n]}
             for e in entries]}
 
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+    def completion_logprobs(self, entries, index: int) -> dict:
+        """tokens, token_logprobs, top_logprobs and text_offset (an echoed first token: no logprob)."""
+        def name(t, lp) -> str:   # (without a tokenizer a token is named by its id)
+            text = lp.decoded_token if lp is not None else self.tokenizer and self.tokenizer.decode([t])
+            return f"token_id:{t}" if text is None else text
+        sampled = [next(iter(e.items())) for e in entries]
+        tokens = [name(*s) for s in sampled]
+        offsets = [self.offsets.get(index, 0)]
+        for token in tokens[:-1]:
+            offsets.append(offsets[-1] + len(token))
+        top = [None if lp is None else {name(t, x): x.logprob for t, x in reversed(e.items())}
+               for e, (_, lp) in zip(entries, sampled)]   # ("reversed": the first of equal names wins)
+        return {"tokens": tokens, "token_logprobs": [lp and lp.logprob for _, lp in sampled],
+                "top_logprobs": top, "text_offset": offsets}
 
-    def delta(self, out) -> dict:
-        return self.head(".chunk" if self.chat else "") | {"choices": [self.choice(out, True)], "usage": None}
+    def usage(self) -> dict:
+        prompt_tokens, completion_tokens = sum(len(p["prompt_token_ids"]) for p in self.prompts), \
+            sum(self.completion_tokens.values())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+
+    def deltas(self, i: int, out) -> list[dict]:
+        """One chunk per sample the output brings."""
+        return [self.head(".chunk" if self.chat else "") | {"choices": [self.choice(i, out, c, True)],
+                                                            "usage": None} for c in out.outputs]
 
     def usage_chunk(self) -> dict:
         return self.head(".chunk" if self.chat else "") | {"choices": [], "usage": self.usage()}
 
-    def final(self, out) -> dict:
-        return self.head() | {"choices": [self.choice(out, False)], "usage": self.usage()}
+    def final(self, outs: list) -> dict:
+        choices = [self.choice(i, out, c, False) for i, out in enumerate(outs) for c in out.outputs]
+        return self.head() | {"choices": choices, "usage": self.usage()}
