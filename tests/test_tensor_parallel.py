@@ -7,9 +7,12 @@ memory are gone after shutdown, after a worker is killed, and after Ctrl-C.
 """
 import gc
 import multiprocessing as mp
+from multiprocessing import shared_memory, synchronize
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -25,8 +28,27 @@ from nanoinfer.executor.multiproc_executor import WorkerDiedError
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
+# the shared memory segments and named semaphores that this process made: a leak check looks at
+# these alone, so that another program's (another test run's) never count
+CREATED: set[str] = set()
+
+
+def record_names(cls, name_of) -> None:
+    init = cls.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        CREATED.add(name_of(self))   # (None: a semaphore without a name)
+    cls.__init__ = recording
+
+
+record_names(shared_memory.SharedMemory, lambda shm: shm.name.lstrip("/"))
+record_names(synchronize.SemLock, lambda lock: lock._semlock.name and "sem." + lock._semlock.name.lstrip("/"))
+
+
 def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    """This process's shared memory and semaphores that are still there."""
+    return set(os.listdir("/dev/shm")) & CREATED
 
 
 def assert_all_stopped(pids: list[int], shm_before: set[str]) -> None:
@@ -98,11 +120,17 @@ def test_engine_features_match_one_rank(model_dirs, one_rank_run, async_scheduli
 
 def test_shutdown_leaves_nothing_behind(llama_dir):
     shm_before = shm_entries()
+    # another program's shared memory, made meanwhile, is not this engine's leak
+    other = subprocess.Popen([sys.executable, "-c", "from multiprocessing.shared_memory import SharedMemory; "
+                              "s = SharedMemory(create=True, size=64); print(s.name, flush=True); input()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert other.stdout.readline().strip() in os.listdir("/dev/shm")
     llm = LLM(llama_dir, tensor_parallel_size=2)
     pids = [w.pid for w in llm.llm_engine.model_executor.workers]
     llm.generate(random_prompts([7]), GREEDY, use_tqdm=False)
     llm.shutdown()
     assert_all_stopped(pids, shm_before)
+    other.communicate("\n", timeout=30)   # (it ends, and its segment goes)
     with pytest.raises(EngineDeadError, match="shut down"):
         llm.generate(random_prompts([7]), GREEDY, use_tqdm=False)
     llm.shutdown()   # again: nothing to do
