@@ -1,6 +1,6 @@
 """Throughput benchmark: nano-vllm's workload, against the hardware's limit.
 
-Workload (DESIGN.md): random.seed(0); 256 prompts of random token ids in [0, 10000] with
+Workload (nano-vllm's bench.py): random.seed(0); 256 prompts of random token ids in [0, 10000] with
 lengths U[100, 1024]; each with max_tokens U[100, 1024], temperature 0.6, ignore_eos.
 Output tok/s = sum(max_tokens) / wall time (133,966 output tokens). The default model has
 Qwen3-0.6B's shape with random weights (throughput does not depend on their values);
@@ -83,6 +83,7 @@ QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden
 QWEN3_8B = dict(QWEN3_0_6B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 tie_word_embeddings=False)
 MODEL_SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B}
+CPU_LAYERS = 2   # of a shape run on the CPU (a smoke run)
 TYPICAL_SCHEMA = {"type": "object", "properties": {   # for --guided-json: mixed types, nesting, an array
     "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 40}, "email": {"type": "string"},
     "active": {"type": "boolean"}, "score": {"type": "number"}, "role": {"enum": ["admin", "user", "guest"]},
@@ -556,8 +557,9 @@ def main():
         print("No CUDA device: latency scaled down to 64 prompt and 8 output tokens.")
         args.input_len, args.output_len = 64, 8
     elif not on_gpu:
-        print("No CUDA device: scaled down to 8 prompts of <= 256 tokens and <= 32 output tokens, "
-              "so it ends in about a minute. CPU numbers say nothing about GPU throughput.")
+        print("No CUDA device: scaled down to 8 prompts of <= 256 tokens and <= 32 output tokens on "
+              f"{CPU_LAYERS} of the model's layers, so it ends in about a minute. CPU numbers say nothing "
+              "about GPU throughput.")
         args.num_seqs, args.max_input_len, args.max_output_len = 8, 256, 32
     kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
@@ -567,7 +569,7 @@ def main():
     if model is None:
         model = tempfile.mkdtemp(prefix="nanoinfer-bench-")
         with open(os.path.join(model, "config.json"), "w") as f:
-            json.dump(MODEL_SHAPES[args.model_shape], f)
+            json.dump(MODEL_SHAPES[args.model_shape] | ({} if on_gpu else {"num_hidden_layers": CPU_LAYERS}), f)
         kwargs.update(load_format="dummy", skip_tokenizer_init=args.tokenizer is None)
         for name in os.listdir(args.tokenizer) if args.tokenizer else ():
             if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
@@ -601,7 +603,7 @@ def main():
         bandwidth, peak = args.tp * bandwidth, args.tp * peak   # each GPU moves and computes its shard
     start = time.perf_counter()
     llm = LLM(model, **kwargs)
-    print(f"engine start-up (weights, KV cache, CUDA graphs): {time.perf_counter() - start:.1f} s")
+    print(f"engine start-up (weights, KV cache{', CUDA graphs' * on_gpu}): {time.perf_counter() - start:.1f} s")
     if args.force_repeat:
         if args.model is not None or args.tp != 1:
             raise SystemExit("--force-repeat is for the random-weight shapes at --tp 1")
@@ -639,11 +641,11 @@ def main():
         if here:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        print(f"run {run + 1}: {output_tokens / times[-1]:,.0f} output tok/s")
+        print(f"run {run + 1}: {rate(output_tokens / times[-1])} output tok/s")
     elapsed = statistics.median(times)
     print(f"{args.num_seqs} seqs, {input_tokens} input + {output_tokens} output tokens in {elapsed:.2f} s "
-          f"(median of {args.runs} runs): {output_tokens / elapsed:,.0f} output tok/s, "
-          f"{(input_tokens + output_tokens) / elapsed:,.0f} total tok/s")
+          f"(median of {args.runs} runs): {rate(output_tokens / elapsed)} output tok/s, "
+          f"{rate((input_tokens + output_tokens) / elapsed)} total tok/s")
     if on_gpu:
         cfg = llm.llm_engine.config.hf_config
         dtype_bytes = llm.llm_engine.config.torch_dtype.itemsize
@@ -655,6 +657,11 @@ def main():
               f"achieved {bound / elapsed:.1%} of it")
     print(timer.report())
     print_spec_stats(llm.llm_engine)
+
+
+def rate(x: float) -> str:
+    """A throughput: whole numbers, unless it is small (a CPU run's)."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 if __name__ == "__main__":
