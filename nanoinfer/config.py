@@ -94,7 +94,7 @@ class Config:
         if pp > hf.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size={pp} is more than the model's "
                              f"num_hidden_layers={hf.num_hidden_layers}")
-        kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        kv_heads = hf.num_key_value_heads
         for name, size in (("num_attention_heads", hf.num_attention_heads),
                            ("intermediate_size", getattr(hf, "intermediate_size", 0))):
             if size % tp:
@@ -110,13 +110,11 @@ class Config:
     def kv_cache_bytes_per_token(self) -> int:
         """The keys and values of one token, in every layer of the largest stage, on one rank."""
         hf = self.hf_config
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        num_kv_heads = max(1, num_kv_heads // self.tensor_parallel_size)   # (replicated beyond one a rank)
+        num_kv_heads = max(1, hf.num_key_value_heads // self.tensor_parallel_size)   # (replicated beyond one a rank)
         pp = self.pipeline_parallel_size
         num_layers = max(len(stage_layers(hf.num_hidden_layers, pp, stage)) for stage in range(pp))
         num_layers += self.speculative is not None and self.speculative.method == "eagle"
-        return 2 * num_layers * num_kv_heads * head_dim * self.torch_dtype.itemsize
+        return 2 * num_layers * num_kv_heads * head_dim(hf) * self.torch_dtype.itemsize
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -202,6 +200,11 @@ class KVTransferConfig:
         if not isinstance(spec.extra_config.get(need), kind):
             raise ValueError(f"{spec.kv_connector} needs kv_connector_extra_config[{need!r}], a {kind.__name__}")
         return spec
+
+
+def head_dim(hf_config) -> int:
+    """A model's attention head size: given (Qwen3), or hidden_size / num_attention_heads."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def stage_layers(num_layers: int, pipeline_parallel_size: int, stage: int) -> range:

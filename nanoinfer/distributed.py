@@ -86,19 +86,20 @@ def init_model_parallel(tensor_parallel_size: int) -> None:
     """Split the (initialised) world into tensor-parallel groups of consecutive ranks and
     pipeline-parallel groups across them (the world size over T is the number of stages)."""
     global _TP, _PP
-    world_size, rank, tp = dist.get_world_size(), dist.get_rank(), tensor_parallel_size
-    if world_size % tp:
-        raise ValueError(f"world size {world_size} is not divisible by tensor_parallel_size={tp}")
-    for start in range(0, world_size, tp):   # tensor-parallel groups: a stage's consecutive ranks
-        ranks = list(range(start, start + tp))
-        group = dist.new_group(ranks)   # every rank takes part in creating every group
-        if rank in ranks:
-            _TP = GroupCoordinator(ranks, group)
-    for first in range(tp):   # pipeline-parallel groups: one rank of each stage
-        ranks = list(range(first, world_size, tp))
+    world_size, tp = dist.get_world_size(), tensor_parallel_size
+    # tensor-parallel groups: a stage's consecutive ranks; pipeline-parallel: one rank of each stage
+    _TP = own_group([list(range(start, start + tp)) for start in range(0, world_size, tp)])
+    _PP = own_group([list(range(first, world_size, tp)) for first in range(tp)])
+
+
+def own_group(groups: list[list[int]]) -> GroupCoordinator:
+    """Make every group (every rank takes part in making each); return this rank's."""
+    mine = None
+    for ranks in groups:
         group = dist.new_group(ranks)
-        if rank in ranks:
-            _PP = GroupCoordinator(ranks, group)
+        if dist.get_rank() in ranks:
+            mine = GroupCoordinator(ranks, group)
+    return mine
 
 
 def destroy_model_parallel() -> None:

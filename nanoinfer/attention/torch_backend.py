@@ -15,7 +15,6 @@ from nanoinfer.attention.metadata import AttentionMetadata
 
 
 class TorchAttentionBackend:
-    name = "torch"
 
     @staticmethod
     def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -13,7 +13,6 @@ from nanoinfer.kernels.store_kv import store_kv
 
 
 class TritonAttentionBackend:
-    name = "triton"
     store_kv = staticmethod(store_kv)
 
     @staticmethod

@@ -46,6 +46,7 @@ import torch
 from nanoinfer.config import Config, check_int
 from nanoinfer.engine.core import EngineCore, EngineCoreRequest, SchedulerStats
 from nanoinfer.engine.llm_engine import EngineDeadError
+from nanoinfer.executor.multiproc_executor import stop_processes
 
 logger = logging.getLogger("nanoinfer")
 
@@ -230,11 +231,7 @@ class EngineCoreClient:
         for outbox in self.outboxes:   # (after what was queued; then the writer stops)
             outbox.put(bytes(ForkingPickler.dumps(("shutdown", None))))
             outbox.put(None)
-        for proc in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        stop_processes(self.procs, 10)
         if self.reader is not None:
             self.reader.join(5)
         self.alive = [False] * len(self.conns)

@@ -79,7 +79,8 @@ class LLMEngine:
         self.check_alive()
         self.error = STEP_CUT_OFF   # until the step, or its handler below, is through
         try:
-            outputs = self._step()
+            outputs, stopped = self.output_processor.process_outputs(self.engine_core.step())
+            self.engine_core.abort_requests([seq_id for seq_id, _ in stopped])   # ended by a stop string
         except KeyboardInterrupt as e:   # the user stopped it: drop every request, keep the engine
             if self.config.world_size == 1:
                 self.error = None
@@ -108,11 +109,6 @@ class LLMEngine:
         """Abort every request (and empty the prefix cache: see EngineCore.abort_all)."""
         self.abort_request(list(self.output_processor.requests))
         self.engine_core.abort_all()
-
-    def _step(self) -> list[RequestOutput]:
-        outputs, stopped = self.output_processor.process_outputs(self.engine_core.step())
-        self.engine_core.abort_requests([seq_id for seq_id, _ in stopped])   # ended by a stop string
-        return outputs
 
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase:

@@ -29,9 +29,8 @@ class CompletionState:
     def __init__(self, index: int, params: SamplingParams, prompt_token_ids: list[int],
                  tokenizer: PreTrainedTokenizerBase | None):
         self.index, self.params, self.tokenizer = index, params, tokenizer
-        self.detokenizer = None
-        if tokenizer is not None:
-            self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self.detokenizer = None if tokenizer is None else \
+            IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = None if params.logprobs is None else []
         self.cumulative_logprob = None if params.logprobs is None else 0.0

@@ -11,7 +11,7 @@ served name) and `engine` (the core's data-parallel rank).
                 mean, once it finishes), vllm:e2e_request_latency_seconds,
                 vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds,
                 vllm:request_decode_time_seconds, vllm:request_inference_time_seconds,
-                vllm:iteration_tokens_total (tokens per engine step), vllm:request_prompt_tokens
+                vllm:iteration_tokens_total (tokens per engine step)
 
 The gauges and the cores' own counters are read from each core's last SchedulerStats when
 Prometheus scrapes; the rest are recorded by AsyncLLM's `stat_logger` as outputs arrive.
@@ -21,18 +21,23 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-REQUEST_TIMES = {   # name -> (help, the interval of RequestMetrics it measures)
-    "time_to_first_token_seconds": ("Time to first token", "arrival_time", "first_token_time"),
-    "e2e_request_latency_seconds": ("End-to-end request latency", "arrival_time", "finished_time"),
-    "request_queue_time_seconds": ("Time waiting before the first step", "arrival_time",
-                                   "first_scheduled_time"),
-    "request_prefill_time_seconds": ("Time from the first step to the first token",
-                                     "first_scheduled_time", "first_token_time"),
-    "request_decode_time_seconds": ("Time from the first token to the last", "first_token_time",
-                                    "last_token_time"),
-    "request_inference_time_seconds": ("Time from the first step to the last token",
-                                       "first_scheduled_time", "last_token_time")}
+TOKEN_BUCKETS = tuple(2**i for i in range(16))
+LABELS = ["model_name", "engine"]
+CORE_METRICS = [   # (family, name, help, the field of SchedulerStats)
+    (GaugeMetricFamily, "vllm:num_requests_running", "Requests running", "num_running"),
+    (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting", "num_waiting"),
+    (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache blocks in use (0-1)", "kv_cache_usage"),
+    (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up", "prefix_cache_queries"),
+    (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found cached", "prefix_cache_hits"),
+    (CounterMetricFamily, "vllm:num_preemptions", "Preemptions", "num_preemptions"),
+    (CounterMetricFamily, "nanoinfer:aborted_seqs", "Sequences ended early", "num_aborted_seqs")]
+REQUEST_TIMES = [   # (name, the interval of RequestMetrics it measures)
+    ("time_to_first_token_seconds", "arrival_time", "first_token_time"),
+    ("e2e_request_latency_seconds", "arrival_time", "finished_time"),
+    ("request_queue_time_seconds", "arrival_time", "first_scheduled_time"),
+    ("request_prefill_time_seconds", "first_scheduled_time", "first_token_time"),
+    ("request_decode_time_seconds", "first_token_time", "last_token_time"),
+    ("request_inference_time_seconds", "first_scheduled_time", "last_token_time")]
 
 
 class EngineCollector:
@@ -42,19 +47,7 @@ class EngineCollector:
         self.engine, self.model_name = engine, model_name
 
     def collect(self):
-        labels = ["model_name", "engine"]
-        families = [
-            (GaugeMetricFamily("vllm:num_requests_running", "Requests running", labels=labels), "num_running"),
-            (GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting", labels=labels), "num_waiting"),
-            (GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache blocks in use (0-1)", labels=labels),
-             "kv_cache_usage"),
-            (CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                 labels=labels), "prefix_cache_queries"),
-            (CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                 labels=labels), "prefix_cache_hits"),
-            (CounterMetricFamily("vllm:num_preemptions", "Preemptions", labels=labels), "num_preemptions"),
-            (CounterMetricFamily("nanoinfer:aborted_seqs", "Sequences ended early (abort, stop string)",
-                                 labels=labels), "num_aborted_seqs")]
+        families = [(kind(name, doc, labels=LABELS), field) for kind, name, doc, field in CORE_METRICS]
         for rank, stats in enumerate(self.engine.stats()):
             for family, field in families:
                 family.add_metric([self.model_name, str(rank)], getattr(stats, field))
@@ -66,21 +59,17 @@ class ServerMetrics:
     def __init__(self, engine, model_name: str):
         self.registry, self.model_name = prom.CollectorRegistry(), model_name
         self.registry.register(EngineCollector(engine, model_name))
-        labels = ["model_name", "engine"]
-
-        def make(kind, name: str, doc: str, *extra: str, **kwargs):
-            return kind(name, doc, labels + list(extra), registry=self.registry, **kwargs)
-        self.prompt_tokens = make(prom.Counter, "vllm:prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = make(prom.Counter, "vllm:generation_tokens", "Generated tokens")
-        self.success = make(prom.Counter, "vllm:request_success", "Finished requests", "finished_reason")
-        self.times = {name: make(prom.Histogram, f"vllm:{name}", doc, buckets=LATENCY_BUCKETS)
-                      for name, (doc, *_) in REQUEST_TIMES.items()}
-        self.itl = make(prom.Histogram, "vllm:inter_token_latency_seconds", "Time between tokens",
-                        buckets=LATENCY_BUCKETS)
-        self.step_tokens = make(prom.Histogram, "vllm:iteration_tokens_total", "Tokens per engine step",
-                                buckets=TOKEN_BUCKETS)
-        self.request_prompt_tokens = make(prom.Histogram, "vllm:request_prompt_tokens",
-                                          "Prompt tokens per request", buckets=TOKEN_BUCKETS)
+        r = self.registry
+        self.prompt_tokens = prom.Counter("vllm:prompt_tokens", "Prompt tokens", LABELS, registry=r)
+        self.generation_tokens = prom.Counter("vllm:generation_tokens", "Generated tokens", LABELS, registry=r)
+        self.success = prom.Counter("vllm:request_success", "Finished requests", LABELS + ["finished_reason"],
+                                    registry=r)
+        self.times = {name: prom.Histogram(f"vllm:{name}", name.replace("_", " "), LABELS, registry=r,
+                                           buckets=LATENCY_BUCKETS) for name, _, _ in REQUEST_TIMES}
+        self.itl = prom.Histogram("vllm:inter_token_latency_seconds", "Time between tokens", LABELS,
+                                  registry=r, buckets=LATENCY_BUCKETS)
+        self.step_tokens = prom.Histogram("vllm:iteration_tokens_total", "Tokens per engine step", LABELS,
+                                          registry=r, buckets=TOKEN_BUCKETS)
 
     def record(self, rank: int, stats, core_outputs: list, outputs: list) -> None:
         """AsyncLLM's stat_logger: a step's outputs (stats None: an aborted request's)."""
@@ -89,15 +78,12 @@ class ServerMetrics:
             self.step_tokens.labels(**labels).observe(stats.num_step_tokens)
         if num_new := sum(len(o.new_token_ids) for o in core_outputs):
             self.generation_tokens.labels(**labels).inc(num_new)
-        for out in outputs:
-            if not out.finished:
-                continue
+        for out in (out for out in outputs if out.finished):
             reason = next((c.finish_reason for c in out.outputs), None) or "abort"
             self.success.labels(**labels, finished_reason=reason).inc()
             self.prompt_tokens.labels(**labels).inc(len(out.prompt_token_ids))
-            self.request_prompt_tokens.labels(**labels).observe(len(out.prompt_token_ids))
             m = out.metrics
-            for name, (_, start, end) in REQUEST_TIMES.items():
+            for name, start, end in REQUEST_TIMES:
                 if getattr(m, start) is not None and getattr(m, end) is not None:
                     self.times[name].labels(**labels).observe(max(getattr(m, end) - getattr(m, start), 0))
             if m.num_generation_tokens > 1:

@@ -117,20 +117,11 @@ class MultiprocExecutor:
                 while not self.errors.empty():
                     reports.append(self.errors.get())
             finally:
-                self.stop_workers(graceful=False)
+                stop_processes(self.workers, 0)
                 self.setting_error = next((m for m, _ in reports if m is not None), None)
                 self.failure = (f"tensor-parallel worker {dead.name} (pid {dead.pid}) died with exit code "
                                 f"{dead.exitcode}" + ("".join(f"\n{r}" for _, r in reports)
                                                       or " (its output may say why)"))
-
-    def stop_workers(self, graceful: bool) -> None:
-        for w in self.workers:
-            if w.pid is None:   # never started (start-up was cut short)
-                continue
-            w.join(timeout=5 if graceful else 0)
-            if w.is_alive():
-                w.kill()
-                w.join()
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers and remove the shared memory. Idempotent. `graceful=False` (after an
@@ -154,7 +145,7 @@ class MultiprocExecutor:
                         self.queue.enqueue(("shutdown", ()), check)
                     except WorkerDiedError:
                         graceful = False
-                self.stop_workers(graceful)
+                stop_processes(self.workers, 5 if graceful else 0)
             finally:
                 for close in (self.queue.close, self.responses.close, self.errors.close):
                     with contextlib.suppress(OSError):   # (a segment someone else removed)
@@ -176,6 +167,16 @@ class FutureOutput:
         return self.executor.responses.dequeue(self.executor.check_health)
 
 
+def stop_processes(procs: list, timeout: float) -> None:
+    """Join each process for `timeout` seconds, then kill it (one never started is skipped)."""
+    for proc in procs:
+        if proc.pid is not None:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
 def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue,
                 responses: MessageQueue | None, errors) -> None:
     """A worker's life: join the group, build the model shard, then run calls until "shutdown"."""
@@ -183,7 +184,8 @@ def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
     calls.as_reader(rank)
     try:
-        distributed.init_distributed(rank, config.world_size, init_method, backend(config),
+        distributed.init_distributed(rank, config.world_size, init_method,
+                                     "nccl" if config.device == "cuda" else "gloo",
                                      config.tensor_parallel_size)
         # on a GPU a rank's host work is launching kernels: spare threads would only contend for
         # the cores (docs/BENCHMARKS.md: the eager prefill); on the CPU the ranks share them
@@ -234,10 +236,6 @@ def exit_with_parent(parent_pid: int) -> None:
 def driver_rank(config: Config) -> int:
     """The rank that samples and sends the outputs: the last stage's first."""
     return config.world_size - config.tensor_parallel_size
-
-
-def backend(config: Config) -> str:
-    return "nccl" if config.device == "cuda" else "gloo"
 
 
 def free_port() -> int:

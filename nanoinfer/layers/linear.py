@@ -17,10 +17,8 @@ from torch import nn
 from nanoinfer.distributed import get_tp_group, get_tp_size
 
 
-def divide(numerator: int, denominator: int, what: str, replicate: bool = False) -> int:
+def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
-        if replicate:   # numerator is tensor_parallel_size
-            raise ValueError(f"tensor_parallel_size={numerator} is not a multiple of {what}={denominator}")
         raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size={denominator}")
     return numerator // denominator
 
@@ -100,11 +98,9 @@ class QKVParallelLinear(ColumnParallelLinear):
                  total_num_kv_heads: int, bias: bool = False):
         tp_size = get_tp_size()
         self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
-        if tp_size >= total_num_kv_heads:
-            self.kv_replicas = divide(tp_size, total_num_kv_heads, "num_key_value_heads", replicate=True)
-            self.num_kv_heads = 1
-        else:
-            self.kv_replicas, self.num_kv_heads = 1, divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+        # (Config.check_model_parallel: one of the KV heads and the ranks divides the other)
+        self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
+        self.kv_replicas = max(1, tp_size // total_num_kv_heads)
         self.head_dim, self.total_num_kv_heads = head_dim, total_num_kv_heads
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias)

@@ -17,7 +17,7 @@ and, on every stage but the last, returns its own for the next.
 import torch
 from torch import nn
 
-from nanoinfer.config import stage_layers
+from nanoinfer.config import head_dim, stage_layers
 from nanoinfer.distributed import get_pp_group
 from nanoinfer.layers.activation import SiluAndMul
 from nanoinfer.layers.attention import Attention
@@ -32,7 +32,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, max_position: int):
         super().__init__()
         total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.head_dim = head_dim(config)
         is_qwen2 = config.model_type == "qwen2"
         qkv_bias = is_qwen2 or getattr(config, "attention_bias", False)
         o_bias = not is_qwen2 and getattr(config, "attention_bias", False)

@@ -27,6 +27,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from nanoinfer.attention import AttentionMetadata, set_forward_context
+from nanoinfer.config import head_dim
 from nanoinfer.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from nanoinfer.models.loader import load_model
 
@@ -97,6 +98,3 @@ class EagleProposer:
                                  slot_mapping=torch.where(inside, slots, -1), block_tables=block_tables,
                                  max_seqlen_q=1)
 
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
