@@ -110,7 +110,8 @@ class Config:
     def kv_cache_bytes_per_token(self) -> int:
         """The keys and values of one token, in every layer of the largest stage, on one rank."""
         hf = self.hf_config
-        num_kv_heads = max(1, hf.num_key_value_heads // self.tensor_parallel_size)   # (replicated beyond one a rank)
+        # (a KV head is replicated where there are more ranks than heads)
+        num_kv_heads = max(1, hf.num_key_value_heads // self.tensor_parallel_size)
         pp = self.pipeline_parallel_size
         num_layers = max(len(stage_layers(hf.num_hidden_layers, pp, stage)) for stage in range(pp))
         num_layers += self.speculative is not None and self.speculative.method == "eagle"
@@ -204,7 +205,8 @@ class KVTransferConfig:
 
 def head_dim(hf_config) -> int:
     """A model's attention head size: given (Qwen3), or hidden_size / num_attention_heads."""
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    hf = hf_config
+    return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
 
 
 def stage_layers(num_layers: int, pipeline_parallel_size: int, stage: int) -> range:

@@ -55,7 +55,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None   # the log-probabilities of the sampled token and the top-N at each step
-    prompt_logprobs: int | None = None   # ... of each prompt token (and the top-N) given those before
+    prompt_logprobs: int | None = None   # ... of each prompt token and the top-N, given those before
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -95,7 +95,8 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or (_integer(self.logprobs) and self.logprobs >= 0),
              "must be None or an integer >= 0"),
             ("prompt_logprobs", self.prompt_logprobs is None
-             or (_integer(self.prompt_logprobs) and self.prompt_logprobs >= 0), "must be None or an integer >= 0"),
+             or (_integer(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+             "must be None or an integer >= 0"),
             ("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
                 _integer(t) and t >= 0 and _real(b) for t, b in self.logit_bias.items())),
              "must be None or a dict of token ids >= 0 to finite numbers"),

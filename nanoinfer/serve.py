@@ -18,19 +18,24 @@ from nanoinfer.config import Config
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m nanoinfer.serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a Hugging Face model folder (default: SmolLM2)")
-    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    parser = argparse.ArgumentParser(prog="python -m nanoinfer.serve",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None,
+                        help="a Hugging Face model folder (default: SmolLM2)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients use (default: --model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 routes")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine-core processes")
-    parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies: a 413")
+    parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                        help="larger bodies: a 413")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds the requests in flight get to finish on SIGTERM")
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
-        kind = typing.get_args(hints[f.name])[0] if typing.get_args(hints[f.name]) else hints[f.name]
+        kind = (typing.get_args(hints[f.name]) or [hints[f.name]])[0]
         if not f.init or f.name == "model" or kind not in (int, float, str, bool, dict):
             continue
         flag = "--" + f.name.replace("_", "-")
@@ -56,11 +61,11 @@ def main(argv=None) -> None:
     engine = AsyncLLM(args.model, data_parallel_size=args.data_parallel_size, **options)
     try:
         app = create_app(engine, name, args.api_key, args.max_request_bytes)
-        c = engine.config
+        c, key = engine.config, ", API key required" if args.api_key else ""
         print(f"nanoinfer: serving {name!r} at http://{args.host}:{args.port}/v1 (max_model_len="
               f"{c.max_model_len}, data parallel {args.data_parallel_size}, tensor parallel "
-              f"{c.tensor_parallel_size}, pipeline parallel {c.pipeline_parallel_size}, {c.device}, "
-              f"{str(c.torch_dtype).removeprefix('torch.')}{', API key required' if args.api_key else ''})", flush=True)
+              f"{c.tensor_parallel_size}, pipeline parallel {c.pipeline_parallel_size}, "
+              f"{c.device}, {str(c.torch_dtype).removeprefix('torch.')}{key})", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                     timeout_graceful_shutdown=args.shutdown_timeout)
     finally:

@@ -47,6 +47,22 @@ def test_engine_matches_transformers_on_gpu(model_dirs, family, enforce_eager):
     assert outs == [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in prompts]
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_prompt_logprobs_and_logit_bias_on_gpu(llama_dir, enforce_eager):
+    """float32: every prompt token's logprob equals transformers', over prefill chunks; a logit
+    bias holds in CUDA graph decode steps."""
+    from conftest import hf_logits
+    llm = LLM(llama_dir, dtype="float32", enforce_eager=enforce_eager, max_num_batched_tokens=32,
+              max_model_len=256)
+    prompt = random_prompts([70], seed=36)[0]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=1,
+                                              logit_bias={99: 100}, ignore_eos=True), use_tqdm=False)[0]
+    ref = hf_logits(llama_dir, prompt).log_softmax(-1)
+    got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, 70)])
+    assert torch.allclose(got, ref[torch.arange(69), torch.tensor(prompt[1:])], atol=1e-3)
+    assert out.outputs[0].token_ids == [99] * 8
+
+
 def test_async_llm_on_gpu_equals_offline(llama_dir):
     """The engine core in its own process on the GPU: streamed tokens equal the offline engine's."""
     import asyncio
@@ -151,9 +167,11 @@ def test_a_step_launches_without_waiting_for_the_gpu(llama_dir):
               SamplingParams(temperature=0.8, seed=3, max_tokens=12, repetition_penalty=1.2, frequency_penalty=0.5,
                              presence_penalty=0.3, ignore_eos=True),
               SamplingParams(temperature=1.0, top_k=10, top_p=0.9, min_p=0.05, max_tokens=12, logprobs=3,
-                             ignore_eos=True)]
-    outs = llm.generate(random_prompts([9, 21, 14], seed=6), params, use_tqdm=False)
+                             ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, logit_bias={77: 100}, prompt_logprobs=2, ignore_eos=True)]
+    outs = llm.generate(random_prompts([9, 21, 14, 30], seed=6), params, use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) >= 6 and len(outs[2].outputs[0].logprobs) == 12
+    assert outs[3].outputs[0].token_ids == [77] * 12 and len(outs[3].prompt_logprobs) == 30
     del runner.execute_model, runner.sample_tokens   # reference cycles, which would keep the memory
 
 

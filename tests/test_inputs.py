@@ -22,8 +22,8 @@ def llm(llama_dir):
     ([], "empty"),
     ({"prompt_token_ids": []}, "empty"),
     (list(range(3, 67)), "64 tokens but max_model_len is 64"),
-    ([5, 512, 7], "token id 512 is outside the vocabulary [0, 512)"),
-    ([5, -1], "token id -1 is outside"),
+    ([5, 512, 7], "the prompt holds token id 512, outside the vocabulary [0, 512)"),
+    ([5, -1], "token id -1, outside"),
     ([5, "x"], "list of integers"),
     (3.5, "must be a str"),
 ])

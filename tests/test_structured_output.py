@@ -300,3 +300,41 @@ def test_min_tokens_yields_to_a_finished_grammar(llama_dir):
     out = llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]
     text = llm.get_tokenizer().decode(out.token_ids, skip_special_tokens=False)
     assert (text.removesuffix("</s>"), out.finish_reason) == ("ab", "stop")
+
+
+@pytest.mark.parametrize("schema, text", [   # each allowed an invalid text, found in review
+    ({"type": "string", "pattern": "^[^\\d]$"}, '"\u0663"'), ({"type": "string", "pattern": "^[^\\w]$"}, '"é"'),
+    ({"type": "string", "pattern": "^[^\\s]$"}, '"\x85"'), ({"type": "string", "pattern": "^[^\\S]$"}, '"\ufeff"'),
+    ({"type": "array", "items": False, "minItems": 1}, "[]"),
+    ({"$defs": {"a%20b": {"type": "integer"}, "a b": {"type": "string"}}, "$ref": "#/$defs/a%20b"}, '"s"'),
+    ({"$defs": {"": {"a": {"type": "integer"}}, "a": {"type": "string"}}, "$ref": "#/$defs//a"}, '"s"')])
+def test_grammars_allow_only_valid_texts(schema, text):
+    try:
+        dfa = compile_regex(json_schema_to_regex(schema))
+    except ValueError:
+        return   # refused: the promise holds
+    if fullmatch(dfa, text):
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "string", "pattern": "^[\\cA]$"}, "escape \\\\c"), ({"type": "string", "pattern": "^a{,3}$"}, "syntax '{,'"),
+    ({"type": "string", "pattern": "^[]a]$"}, "syntax '\\[\\]'"), ({"type": "string", "pattern": "^(?P<n>a)$"}, "'\\(\\?P'"),
+    ({"$defs": {"x": {"$anchor": "it", "type": "integer"}}, "$ref": "#it"}, "only JSON pointers"),
+    ({"$defs": {"A": {"$id": "http://x/a", "type": "integer"}}, "$ref": "#/$defs/A"}, "keyword '\\$id'"),
+    ({"type": "object", "required": [5]}, "names must be strings"), ({"properties": []}, "must be an object"),
+    ({"type": {"x": 1}}, "malformed"), ({"allOf": 5}, "malformed")])
+def test_schemas_that_cannot_be_honoured_are_refused(schema, message):
+    with pytest.raises(ValueError, match=message):
+        compile_regex(json_schema_to_regex(schema))
+
+
+def test_overlapping_repeats_are_refused_not_built_for_ever():
+    """A repeat of a part that matches the empty string is built without it; parts that overlap
+    are explored set by set, and past MAX_SUBSETS refused (both took up to 40 s)."""
+    rx = re.compile(r"(?:a?){0,1000}")
+    dfa = compile_regex(rx.pattern)
+    assert all(fullmatch(dfa, "a" * n) == bool(rx.fullmatch("a" * n)) for n in (0, 1, 999, 1000, 1001))
+    for pattern in (r"(?:a|aa){0,200}", r"(?:.{0,3}){0,300}"):
+        with pytest.raises(ValueError, match="subset construction"):
+            compile_regex(pattern)

@@ -116,7 +116,7 @@ class EngineCore:
                 self.num_aborted_seqs += 1
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.in_flight)
+        return bool(self.scheduler.requests or self.in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()

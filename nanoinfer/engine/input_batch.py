@@ -136,7 +136,8 @@ class InputBatch:
                               p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
                               p.seed or 0, p.seed is not None, p.min_tokens,
                               -1 if p.logprobs is None else p.logprobs,
-                              -1 if p.prompt_logprobs is None else p.prompt_logprobs, bool(p.logit_bias))
+                              -1 if p.prompt_logprobs is None else p.prompt_logprobs,
+                              bool(p.logit_bias))
         self.stop_ids[row] = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
         self.logit_bias[row] = p.logit_bias or {}
 
@@ -207,8 +208,8 @@ class InputBatch:
             step.prompt_logprobs = self.prompt_positions(seq_ids, rows, start, end, cu_seqlens_q)
         return step
 
-    def prompt_positions(self, seq_ids: list[int], rows: np.ndarray, start: np.ndarray, end: np.ndarray,
-                         cu_seqlens_q: np.ndarray) -> tuple | None:
+    def prompt_positions(self, seq_ids: list[int], rows: np.ndarray, start: np.ndarray,
+                         end: np.ndarray, cu_seqlens_q: np.ndarray) -> tuple | None:
         """Where the step's prompt tokens that want logprobs are predicted: the positions of the
         chunk before each (the prompt's last position predicts the output, not a prompt token)."""
         layout, index, targets = [], [], []
@@ -221,7 +222,8 @@ class InputBatch:
         if not layout:
             return None
         num_top = int(self.sampling["prompt_logprobs"][rows].max())
-        return layout, *self.to_device(np.int64, np.concatenate(index), np.concatenate(targets)), num_top
+        index, targets = self.to_device(np.int64, np.concatenate(index), np.concatenate(targets))
+        return layout, index, targets, num_top
 
     def sampling_metadata(self, step: StepInputs, grammar: GrammarOutput | None = None) -> SamplingMetadata:
         rows, ends = step.sample_rows, step.sample_ends
@@ -230,8 +232,10 @@ class InputBatch:
         seeds = self.rng.integers(2**63, size=len(rows))
         for k in np.flatnonzero(s["seeded"]):
             seeds[k] = token_seed(int(s["seed"][k]), int(index[k]))
-        bias = [(k, t, -np.inf) for k in np.flatnonzero(index < s["min_tokens"]) for t in self.stop_ids[rows[k]]]
-        bias += [(k, t, b) for k in np.flatnonzero(s["biased"]) for t, b in self.logit_bias[rows[k]].items()]
+        bias = [(k, t, -np.inf) for k in np.flatnonzero(index < s["min_tokens"])
+                for t in self.stop_ids[rows[k]]]   # (blocked before min_tokens)
+        bias += [(k, t, b) for k in np.flatnonzero(s["biased"])
+                 for t, b in self.logit_bias[rows[k]].items()]
         grammar_rows = None if grammar is None else self.grammar_rows(step, grammar)
         temperatures, top_ps, min_ps = self.to_device(np.float32, s["temperature"], s["top_p"], s["min_p"])
         seeds, top_ks = self.to_device(np.int64, seeds, s["top_k"])

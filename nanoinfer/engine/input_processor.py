@@ -18,6 +18,7 @@ from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured_output import guided_regex
 
 PromptType = str | list[int] | dict
+NO_TOKENIZER = "the engine was started with skip_tokenizer_init"
 
 
 class InputProcessor:
@@ -33,31 +34,37 @@ class InputProcessor:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError("sampling params must be a SamplingParams, got "
+                             f"{type(params).__name__}")
         params = copy.deepcopy(params)   # the caller may change or reuse theirs
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
-        grammar = None
-        if params.guided_decoding is not None:
-            if self.tokenizer is None:
-                raise ValueError("guided decoding needs a tokenizer; the engine was started with skip_tokenizer_init")
-            try:
-                grammar = guided_regex(params.guided_decoding)
-            except ValueError as e:
-                raise ValueError(f"SamplingParams.guided_decoding: {e}") from e
-            except (TypeError, AttributeError, KeyError, RecursionError) as e:   # a keyword's wrong type, say
-                raise ValueError("SamplingParams.guided_decoding: malformed constraint "
-                                 f"({type(e).__name__}: {e})") from e
-        max_tokens = params.max_tokens or self.config.max_model_len - len(token_ids)
-        children = [params if params.seed is None else dataclasses.replace(params, seed=wrap64(params.seed + i))
-                    for i in range(params.n)]   # the samples of n > 1: seeds seed, seed + 1, ...
+        grammar = None if params.guided_decoding is None else self.grammar(params)
+        room = self.config.max_model_len - len(token_ids)   # (max_model_len holds prompt and output)
+        max_tokens = min(params.max_tokens or room, room)
+        # the samples of n > 1: seeds seed, seed + 1, ...
+        children = [params if params.seed is None else dataclasses.replace(
+            params, seed=wrap64(params.seed + i)) for i in range(params.n)]
         seq_ids = [next(self.seq_counter) for _ in children]
-        return text, EngineCoreRequest(request_id, seq_ids, token_ids, children, max_tokens, grammar)
+        return text, EngineCoreRequest(request_id, seq_ids, token_ids, children, max_tokens,
+                                       grammar)
+
+    def grammar(self, params: SamplingParams) -> str:
+        """The guided request's regex, its DFA built (structured_output/)."""
+        if self.tokenizer is None:
+            raise ValueError(f"guided decoding needs a tokenizer; {NO_TOKENIZER}")
+        try:
+            return guided_regex(params.guided_decoding)
+        except ValueError as e:
+            raise ValueError(f"SamplingParams.guided_decoding: {e}") from e
+        except (TypeError, AttributeError, KeyError, RecursionError) as e:   # (a wrong type)
+            raise ValueError("SamplingParams.guided_decoding: malformed constraint "
+                             f"({type(e).__name__}: {e})") from e
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if self.tokenizer is None and (isinstance(prompt, str) or (isinstance(prompt, dict)
-                                                                   and "prompt_token_ids" not in prompt)):
-            raise ValueError("the engine has no tokenizer (skip_tokenizer_init): pass prompt token ids")
+        if self.tokenizer is None and (isinstance(prompt, str) or (
+                isinstance(prompt, dict) and "prompt_token_ids" not in prompt)):
+            raise ValueError(f"text needs a tokenizer ({NO_TOKENIZER}): pass prompt token ids")
         if isinstance(prompt, str):
             return prompt, self.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -73,30 +80,25 @@ class InputProcessor:
         try:
             text.encode()
         except UnicodeEncodeError as e:   # (JSON's "\ud800" decodes to such a str)
-            raise ValueError(f"the text is not valid Unicode: a lone surrogate at character {e.start}") from None
+            raise ValueError("the text is not valid Unicode: a lone surrogate at character "
+                             f"{e.start}") from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> dict:
         """A conversation through the model's chat template, as a prompt. A message's content is
         a string or a list of text parts (joined by newlines, as vLLM joins them)."""
         if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer; the engine was started with skip_tokenizer_init")
+            raise ValueError(f"chat needs a tokenizer; {NO_TOKENIZER}")
         conversation = []
         for i, message in enumerate(messages if isinstance(messages, list) else [messages]):
             if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
-                raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {message!r}")
-            content = message["content"]
-            if isinstance(content, list):
-                kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
-                if any(k != "text" or not isinstance(p.get("text"), str) for k, p in zip(kinds, content)):
-                    raise ValueError(f"message {i}: content parts must be {{'type': 'text', 'text': str}} "
-                                     f"(this engine takes text only), got types {kinds}")
-                content = "\n".join(p["text"] for p in content)
-            conversation.append({**message, "content": content})
+                raise ValueError(f"message {i} must be a dict with 'role' and 'content', got "
+                                 f"{message!r}")
+            conversation.append({**message, "content": text_of(i, message["content"])})
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
-        except Exception as e:   # a template that refuses the conversation (roles out of order, ...)
+        except Exception as e:   # a template that refuses the conversation (roles out of order)
             raise ValueError(f"the chat template refused the messages: {e}") from e
         # the template already wrote any BOS: do not add special tokens again
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
@@ -110,21 +112,31 @@ class InputProcessor:
             raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
                              f"{self.config.max_model_len} (prompt and output must fit)")
         vocab_size = self.config.hf_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        for name in ("stop_token_ids", "logit_bias"):
-            bad = [t for t in getattr(params, name) or () if t >= vocab_size]
+        for name, ids in (("the prompt", token_ids),
+                          ("SamplingParams.stop_token_ids", params.stop_token_ids),
+                          ("SamplingParams.logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"SamplingParams.{name} holds token id {bad[0]}, outside the vocabulary "
+                raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary "
                                  f"[0, {vocab_size})")
         if self.tokenizer is None and params.stop:
-            raise ValueError("stop strings need a tokenizer; the engine was started with skip_tokenizer_init")
+            raise ValueError(f"stop strings need a tokenizer; {NO_TOKENIZER}")
         max_logprobs = min(self.config.max_logprobs, vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > max_logprobs:
-                raise ValueError(f"SamplingParams.{name}={getattr(params, name)} is more than this engine "
-                                 f"returns (max_logprobs={max_logprobs}, an engine option)")
+                raise ValueError(f"SamplingParams.{name}={getattr(params, name)} is more than this "
+                                 f"engine returns (max_logprobs={max_logprobs}, an engine option)")
+
+
+def text_of(i: int, content) -> str:
+    """A message's content as text: a string, or text parts joined by newlines."""
+    if not isinstance(content, list):
+        return content
+    kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
+    if any(k != "text" or not isinstance(p.get("text"), str) for k, p in zip(kinds, content)):
+        raise ValueError(f"message {i}: content parts must be {{'type': 'text', 'text': str}} "
+                         f"(this engine takes text only), got types {kinds}")
+    return "\n".join(p["text"] for p in content)
 
 
 def wrap64(x: int) -> int:

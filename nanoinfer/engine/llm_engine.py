@@ -80,7 +80,8 @@ class LLMEngine:
         self.error = STEP_CUT_OFF   # until the step, or its handler below, is through
         try:
             outputs, stopped = self.output_processor.process_outputs(self.engine_core.step())
-            self.engine_core.abort_requests([seq_id for seq_id, _ in stopped])   # ended by a stop string
+            # the sequences a stop string ended: the core has not seen that
+            self.engine_core.abort_requests([seq_id for seq_id, _ in stopped])
         except KeyboardInterrupt as e:   # the user stopped it: drop every request, keep the engine
             if self.config.world_size == 1:
                 self.error = None

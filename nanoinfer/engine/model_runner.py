@@ -21,7 +21,6 @@ hidden states and residual before its forward, every stage but the last sends it
 and only the last computes logits and samples (its first tensor-parallel rank is the driver, which
 returns the tokens).
 """
-import itertools
 
 import torch
 import torch.distributed as dist
@@ -29,67 +28,18 @@ import torch.distributed as dist
 from nanoinfer.attention import AttentionMetadata, get_attn_backend, set_forward_context
 from nanoinfer.config import Config
 from nanoinfer.distributed import get_pp_group, get_tp_group
+from nanoinfer.engine.async_output import AsyncModelRunnerOutput
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.input_batch import InputBatch, StepInputs
-from nanoinfer.engine.messages import GrammarOutput, LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from nanoinfer.engine.messages import GrammarOutput, SchedulerOutput
 from nanoinfer.kv_transfer import make_kv_connector
 from nanoinfer.layers.attention import Attention
-from nanoinfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, score_prompt_tokens
+from nanoinfer.layers.sampler import Sampler, SamplingMetadata, score_prompt_tokens
 from nanoinfer.models import MODEL_REGISTRY
 from nanoinfer.models.loader import init_dummy_weights, load_model
 from nanoinfer.spec_decode.eagle import EagleProposer
 from nanoinfer.spec_decode.medusa import Medusa
 from nanoinfer.spec_decode.rejection_sampler import accept_drafts
-
-
-class AsyncModelRunnerOutput:
-    """A launched step's sampled tokens on their way to the host: `get_output` waits for them."""
-
-    def __init__(self, seq_ids: list[int], sampled: SamplerOutput | None = None,
-                 rows_per_request: list[int] | None = None, drafts: torch.Tensor | None = None):
-        """sampled: a row of tokens per request (padded with -1), and logprobs a row per sample row
-        (`rows_per_request` of them per request: its drafts and one; one each by default)."""
-        self.seq_ids, self.sampled, self.copied = seq_ids, None, None
-        self.kv_loaded: dict[int, int] | None = None   # (a KV connector's blocks, loaded in the step)
-        self.prompt_logprobs: tuple[list, list[torch.Tensor] | None] | None = None   # (its layout, rows)
-        self.rows_per_request = rows_per_request
-        self.drafts = None if drafts is None else drafts.to("cpu", non_blocking=True)
-        if sampled is not None:   # copies queued behind the step's kernels; the host goes on
-            self.sampled = SamplerOutput(*(t if t is None else t.to("cpu", non_blocking=True)
-                                           for t in (sampled.sampled_token_ids, sampled.logprob_token_ids,
-                                                     sampled.logprobs, sampled.sampled_token_ranks)))
-            if sampled.sampled_token_ids.is_cuda:
-                self.copied = torch.cuda.Event()
-                self.copied.record()
-
-    def get_output(self) -> ModelRunnerOutput:
-        if self.sampled is None:
-            return ModelRunnerOutput(kv_loaded=self.kv_loaded, prompt_logprobs=self.prompt_rows())
-        if self.copied is not None:
-            self.copied.synchronize()
-        token_ids = self.sampled.sampled_token_ids.tolist()
-        if self.rows_per_request is not None:   # verified drafts: rows padded with -1
-            token_ids = [[t for t in row if t >= 0] for row in token_ids]
-        out = ModelRunnerOutput(self.seq_ids, token_ids, kv_loaded=self.kv_loaded,
-                                prompt_logprobs=self.prompt_rows())
-        if self.drafts is not None:
-            out.spec_token_ids = self.drafts.tolist()
-        if self.sampled.logprobs is not None:   # a request's emitted tokens are its first sample rows
-            starts = itertools.accumulate(self.rows_per_request or [1] * len(self.seq_ids), initial=0)
-            rows = [start + j for start, new in zip(starts, out.sampled_token_ids) for j in range(len(new))]
-            s = self.sampled
-            ids, logprobs, ranks = s.logprob_token_ids.tolist(), s.logprobs.tolist(), s.sampled_token_ranks.tolist()
-            out.logprobs = LogprobsLists([ids[r] for r in rows], [logprobs[r] for r in rows], [ranks[r] for r in rows])
-        return out
-
-    def prompt_rows(self) -> dict | None:
-        """seq_id -> (position of its first token scored, LogprobsLists of its tokens)."""
-        if self.prompt_logprobs is None or self.prompt_logprobs[1] is None:
-            return None
-        layout, (ids, logprobs, ranks) = self.prompt_logprobs[0], (t.tolist() for t in self.prompt_logprobs[1])
-        starts = itertools.accumulate([n for _, _, n in layout], initial=0)
-        return {seq_id: (first, LogprobsLists(ids[k:k + n], logprobs[k:k + n], ranks[k:k + n]))
-                for (seq_id, first, n), k in zip(layout, starts)}
 
 
 class ModelRunner:
@@ -266,8 +216,9 @@ class ModelRunner:
             return
         if step.prompt_logprobs is not None:
             layout, index, targets, num_top = step.prompt_logprobs
-            self.prompt_logprobs = layout, score_prompt_tokens(self.model.compute_logits, hidden_states,
-                                                               index, targets, num_top)
+            rows = score_prompt_tokens(self.model.compute_logits, hidden_states, index, targets,
+                                       num_top)
+            self.prompt_logprobs = layout, rows
         if step.sample_seq_ids:
             self.pending = step, self.model.compute_logits(hidden_states[step.logits_indices]), hidden_states
         elif isinstance(self.drafter, EagleProposer):   # a prompt chunk: its keys and values for EAGLE too

@@ -81,7 +81,8 @@ class CompletionState:
                                 finish_reason=self.finish_reason, stop_reason=self.stop_reason)
 
 
-def logprob_entry(row: tuple[list[int], list[float], int], num_top: int, tokenizer) -> dict[int, Logprob]:
+def logprob_entry(row: tuple[list[int], list[float], int], num_top: int, tokenizer
+                  ) -> dict[int, Logprob]:
     """One token's logprobs (ids and logprobs: the token's own, then the top ones; its rank) as
     {token id: Logprob}, the token first and then the top `num_top`."""
     token_ids, logprobs, rank = row
@@ -102,7 +103,8 @@ class RequestState:
         self.output_kind, self.completions, self.seq_ids = output_kind, completions, seq_ids
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.num_cached_tokens = 0
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # with the first tokens
+        # the prompt's logprobs, which come with its first tokens
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.updated: set[int] = set()   # completions with news since the last output
 
     @property
@@ -115,8 +117,8 @@ class RequestState:
         delta = self.output_kind == RequestOutputKind.DELTA
         completions = [c.completion(delta) for c in self.completions if not delta or c.index in self.updated]
         self.updated.clear()
-        out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
-                            self.num_cached_tokens, self.metrics, self.prompt_logprobs)
+        out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
+                            finished, self.num_cached_tokens, self.metrics, self.prompt_logprobs)
         if delta:   # (a DELTA output brings them once)
             self.prompt_logprobs = None
         return out
@@ -182,7 +184,8 @@ class OutputProcessor:
                     num_top = completion.params.prompt_logprobs
                     state.prompt_logprobs = [None] + [logprob_entry(row, num_top, self.tokenizer)
                                                       for row in out.prompt_logprobs]
-            state.metrics.first_scheduled_time = state.metrics.first_scheduled_time or out.scheduled_time
+            metrics = state.metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or out.scheduled_time
             state.updated.add(completion.index)
             touched[state.request_id] = state
         outputs = []

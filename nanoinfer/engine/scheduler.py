@@ -16,19 +16,18 @@ sent whole when admitted, then only what changed. A scheduled sequence is advanc
 (`num_computed_tokens`), and one whose step reaches its last token gets an output placeholder:
 so the next step can be scheduled while this one still runs on the GPU (async scheduling), its
 decode reading the token this step samples. A sequence whose placeholders already reach its
-max_tokens or max_model_len is not scheduled again.
+max_tokens or max_model_len is not scheduled again. `update_from_output` then appends the
+sampled tokens and applies the token-level stops (EOS, stop_token_ids, max_tokens,
+max_model_len) to each in order; a token sampled for a sequence that stopped (or was aborted)
+meanwhile is dropped.
 
-`update_from_output` then appends the sampled tokens and applies the token-level stops (EOS,
-stop_token_ids, max_tokens, max_model_len) to each in order. A token sampled for a sequence that
-stopped (or was aborted) meanwhile is dropped.
-A KV connector (kv_transfer/) may have some of a waiting request's prompt blocks: the request is
-then admitted with blocks for them and nothing to compute, its step loads them, and it waits
+KV connectors (kv_transfer/): a waiting request whose prompt blocks a connector has is admitted
+with blocks for them and nothing to compute; its step loads them, and it waits
 (WAITING_FOR_REMOTE_KVS) until that step's output says how many were good, which then count as
 computed. A producer's steps list the full prompt blocks they compute, to be saved. A request
 that wants its prompt's logprobs reads no cached blocks: every prompt position is computed.
 Pipeline parallelism (P stages, engine/core.py): a sequence with a step in flight is skipped, and
 a step takes at most max_num_seqs / P sequences, so that P steps in flight hold disjoint ones.
-
 Speculative decoding (spec_decode/): a decoding sequence's drafts are scheduled after its known
 tokens, in the same budget, trimmed so that the step cannot run past max_tokens or max_model_len.
 The step counts them as computed; `update_from_output` takes the rejected ones back off
@@ -39,7 +38,8 @@ from collections import deque
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.messages import EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from nanoinfer.engine.messages import (EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                                      SchedulerOutput)
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
 from nanoinfer.spec_decode.metrics import SpecDecodingStats
 from nanoinfer.spec_decode.ngram_proposer import NgramProposer
@@ -76,9 +76,6 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING_FOR_FSM
             self.num_guided += 1
         self.waiting.append(seq)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_seq_ids=self.finished_seq_ids)
@@ -124,7 +121,9 @@ class Scheduler:
             if self.pipelined and seq.num_output_placeholders:   # preempted with its token in flight
                 i += 1
                 continue
-            computed = [] if seq.prompt_logprobs is not None else self.block_manager.get_computed_blocks(seq)
+            computed = self.block_manager.get_computed_blocks(seq)
+            if seq.prompt_logprobs is not None:   # (it wants every prompt position's logits)
+                computed = []
             if self.lookahead and computed:   # EAGLE: the draft layer's keys at a cached block's last
                 computed = computed[:-1]      # position came from the token after it, which may differ
             bs = self.block_manager.block_size
@@ -212,7 +211,7 @@ class Scheduler:
         accepted drafts and the target's own token stay within max_tokens and max_model_len."""
         drafts, seq.spec_token_ids = seq.spec_token_ids, []
         room = min(budget - (seq.num_tokens - seq.num_computed_tokens),
-                   seq.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+                   seq.max_tokens - seq.num_output_tokens - 1)
         drafts = drafts[:max(room, 0)]
         return seq.grammar.valid_drafts(drafts) if seq.grammar is not None else drafts
 
@@ -222,9 +221,9 @@ class Scheduler:
         return max(min(self.lookahead, self.max_model_len - seq.num_computed_tokens - num_new), 0)
 
     def reaches_length_limit(self, seq: Sequence) -> bool:
-        """Do the tokens in flight already take `seq` to max_tokens or max_model_len?"""
-        num_tokens = seq.num_tokens_with_placeholders
-        return num_tokens - seq.num_prompt_tokens >= seq.max_tokens or num_tokens >= self.max_model_len
+        """Do the tokens in flight already take `seq` to its max_tokens (which max_model_len
+        bounds)?"""
+        return seq.num_tokens_with_placeholders - seq.num_prompt_tokens >= seq.max_tokens
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append each sampled sequence's new tokens, applying the token-level stops to each in order."""
@@ -261,11 +260,12 @@ class Scheduler:
                     seq.spec_token_ids = self.ngram.propose(seq)
                 elif runner_output.spec_token_ids is not None:
                     seq.spec_token_ids = runner_output.spec_token_ids[row]
-            first = seq.num_output_tokens == len(new_token_ids)
             outputs.append(EngineCoreOutput(
-                seq_id, new_token_ids, new_logprobs, seq.num_cached_tokens, seq.finish_reason, seq.stop_reason,
-                num_drafts, len(token_ids) - 1, seq.prompt_logprobs if first else None,
-                seq.first_scheduled_time if first else None))
+                seq_id, new_token_ids, new_logprobs, seq.num_cached_tokens, seq.finish_reason,
+                seq.stop_reason, num_drafts, len(token_ids) - 1))
+            if seq.num_output_tokens == len(new_token_ids):   # its first: with its prompt's news
+                outputs[-1].prompt_logprobs = seq.prompt_logprobs
+                outputs[-1].scheduled_time = seq.first_scheduled_time
         return outputs
 
     def update_prompts(self, runner_output: ModelRunnerOutput) -> None:
@@ -289,7 +289,7 @@ class Scheduler:
             self.finish(seq, "stop")
         elif token_id in params.stop_token_ids:
             self.finish(seq, "stop", token_id)
-        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif seq.num_output_tokens >= seq.max_tokens:   # (or max_model_len: see add_request)
             self.finish(seq, "length")
         return seq.is_finished
 

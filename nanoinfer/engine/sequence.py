@@ -47,7 +47,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.max_tokens = max_tokens       # sampling_params.max_tokens, or what fits when that is None
+        self.max_tokens = max_tokens       # sampling_params.max_tokens, or less: what max_model_len fits
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission
@@ -61,7 +61,9 @@ class Sequence:
         self.hash_full_blocks()
         self.grammar = None   # structured output: its constraint and state (structured_output/)
         # the prompt's logprobs (SamplingParams.prompt_logprobs): a row per token but the first
-        self.prompt_logprobs = None if sampling_params.prompt_logprobs is None else [None] * (self.num_prompt_tokens - 1)
+        self.prompt_logprobs = None
+        if sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * (self.num_prompt_tokens - 1)
         self.first_scheduled_time: float | None = None   # (time.time(), for a server's metrics)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -23,14 +23,15 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKEN_BUCKETS = tuple(2**i for i in range(16))
 LABELS = ["model_name", "engine"]
+GAUGE, COUNTER = GaugeMetricFamily, CounterMetricFamily
 CORE_METRICS = [   # (family, name, help, the field of SchedulerStats)
-    (GaugeMetricFamily, "vllm:num_requests_running", "Requests running", "num_running"),
-    (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting", "num_waiting"),
-    (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache blocks in use (0-1)", "kv_cache_usage"),
-    (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up", "prefix_cache_queries"),
-    (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found cached", "prefix_cache_hits"),
-    (CounterMetricFamily, "vllm:num_preemptions", "Preemptions", "num_preemptions"),
-    (CounterMetricFamily, "nanoinfer:aborted_seqs", "Sequences ended early", "num_aborted_seqs")]
+    (GAUGE, "vllm:num_requests_running", "Requests running", "num_running"),
+    (GAUGE, "vllm:num_requests_waiting", "Requests waiting", "num_waiting"),
+    (GAUGE, "vllm:kv_cache_usage_perc", "KV-cache blocks in use (0-1)", "kv_cache_usage"),
+    (COUNTER, "vllm:prefix_cache_queries", "Prompt tokens looked up", "prefix_cache_queries"),
+    (COUNTER, "vllm:prefix_cache_hits", "Prompt tokens found cached", "prefix_cache_hits"),
+    (COUNTER, "vllm:num_preemptions", "Preemptions", "num_preemptions"),
+    (COUNTER, "nanoinfer:aborted_seqs", "Sequences ended early", "num_aborted_seqs")]
 REQUEST_TIMES = [   # (name, the interval of RequestMetrics it measures)
     ("time_to_first_token_seconds", "arrival_time", "first_token_time"),
     ("e2e_request_latency_seconds", "arrival_time", "finished_time"),
@@ -47,7 +48,8 @@ class EngineCollector:
         self.engine, self.model_name = engine, model_name
 
     def collect(self):
-        families = [(kind(name, doc, labels=LABELS), field) for kind, name, doc, field in CORE_METRICS]
+        families = [(kind(name, doc, labels=LABELS), field)
+                    for kind, name, doc, field in CORE_METRICS]
         for rank, stats in enumerate(self.engine.stats()):
             for family, field in families:
                 family.add_metric([self.model_name, str(rank)], getattr(stats, field))
@@ -59,17 +61,18 @@ class ServerMetrics:
     def __init__(self, engine, model_name: str):
         self.registry, self.model_name = prom.CollectorRegistry(), model_name
         self.registry.register(EngineCollector(engine, model_name))
-        r = self.registry
-        self.prompt_tokens = prom.Counter("vllm:prompt_tokens", "Prompt tokens", LABELS, registry=r)
-        self.generation_tokens = prom.Counter("vllm:generation_tokens", "Generated tokens", LABELS, registry=r)
-        self.success = prom.Counter("vllm:request_success", "Finished requests", LABELS + ["finished_reason"],
-                                    registry=r)
-        self.times = {name: prom.Histogram(f"vllm:{name}", name.replace("_", " "), LABELS, registry=r,
-                                           buckets=LATENCY_BUCKETS) for name, _, _ in REQUEST_TIMES}
-        self.itl = prom.Histogram("vllm:inter_token_latency_seconds", "Time between tokens", LABELS,
-                                  registry=r, buckets=LATENCY_BUCKETS)
-        self.step_tokens = prom.Histogram("vllm:iteration_tokens_total", "Tokens per engine step", LABELS,
-                                          registry=r, buckets=TOKEN_BUCKETS)
+        def metric(kind, name: str, doc: str, labels=LABELS, **kwargs):
+            return kind(name, doc, labels, registry=self.registry, **kwargs)
+        self.prompt_tokens = metric(prom.Counter, "vllm:prompt_tokens", "Prompt tokens")
+        self.generation_tokens = metric(prom.Counter, "vllm:generation_tokens", "Generated tokens")
+        self.success = metric(prom.Counter, "vllm:request_success", "Finished requests",
+                              LABELS + ["finished_reason"])
+        self.times = {name: metric(prom.Histogram, f"vllm:{name}", name.replace("_", " "),
+                                   buckets=LATENCY_BUCKETS) for name, _, _ in REQUEST_TIMES}
+        self.itl = metric(prom.Histogram, "vllm:inter_token_latency_seconds", "Time between tokens",
+                          buckets=LATENCY_BUCKETS)
+        self.step_tokens = metric(prom.Histogram, "vllm:iteration_tokens_total",
+                                  "Tokens per engine step", buckets=TOKEN_BUCKETS)
 
     def record(self, rank: int, stats, core_outputs: list, outputs: list) -> None:
         """AsyncLLM's stat_logger: a step's outputs (stats None: an aborted request's)."""
@@ -84,8 +87,9 @@ class ServerMetrics:
             self.prompt_tokens.labels(**labels).inc(len(out.prompt_token_ids))
             m = out.metrics
             for name, start, end in REQUEST_TIMES:
-                if getattr(m, start) is not None and getattr(m, end) is not None:
-                    self.times[name].labels(**labels).observe(max(getattr(m, end) - getattr(m, start), 0))
+                began, ended = getattr(m, start), getattr(m, end)
+                if began is not None and ended is not None:
+                    self.times[name].labels(**labels).observe(max(ended - began, 0))
             if m.num_generation_tokens > 1:
                 self.itl.labels(**labels).observe((m.last_token_time - m.first_token_time) /
                                                   (m.num_generation_tokens - 1))

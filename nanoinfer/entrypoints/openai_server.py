@@ -25,8 +25,9 @@ from starlette.exceptions import HTTPException
 from nanoinfer.engine.async_llm import AsyncLLM
 from nanoinfer.engine.llm_engine import EngineDeadError
 from nanoinfer.entrypoints.metrics import ServerMetrics
-from nanoinfer.entrypoints.protocol import (APIError, ChatCompletionRequest, Chunker, CompletionRequest,
-                                            api_error, error_body, field_names, sampling_params)
+from nanoinfer.entrypoints.protocol import (APIError, ChatCompletionRequest, Chunker,
+                                            CompletionRequest, api_error, error_body, field_names,
+                                            sampling_params)
 
 logger = logging.getLogger("nanoinfer")
 
@@ -44,11 +45,12 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, root, headers = scope.get("path", ""), scope.get("root_path", ""), dict(scope["headers"])
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        headers = dict(scope["headers"])
         if root and path.startswith(root):   # (the route's path: under a mount or --root-path)
             path = path[len(root):]
-        status = 0
-        if self.expected and path.startswith("/v1") and headers.get(b"authorization") != self.expected:
+        status, key = 0, headers.get(b"authorization")
+        if self.expected and path.startswith("/v1") and key != self.expected:
             status, message = 401, "missing or wrong API key"
         elif self.max_bytes and int(headers.get(b"content-length", b"0") or 0) > self.max_bytes:
             status, message = 413, f"the request body is larger than {self.max_bytes:,} bytes"
@@ -60,7 +62,8 @@ class RequestGuard:
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
-            return {"type": "http.disconnect"} if self.max_bytes and received > self.max_bytes else message
+            too_much = self.max_bytes and received > self.max_bytes
+            return {"type": "http.disconnect"} if too_much else message
         await self.app(scope, limited, send)
 
 
@@ -84,71 +87,47 @@ async def merge(streams):
             await stream.aclose()
 
 
-def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
-               max_request_bytes: int | None = None) -> FastAPI:
-    app = FastAPI(title="nanoinfer")
-    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
-    tokenizer, max_model_len = engine.tokenizer, engine.config.max_model_len
-    metrics = ServerMetrics(engine, model_name)
-    engine.stat_logger = metrics.record
-    # a prompt of more characters than this cannot fit max_model_len: refused before tokenizing
-    max_chars = max_model_len * max(map(len, tokenizer.get_vocab()), default=1) if tokenizer else None
-    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoinfer",
-            "max_model_len": max_model_len}
+class OpenAIServing:
+    """What the routes do: a request's prompts tokenized, run, and answered in OpenAI's shapes."""
 
-    async def in_thread(where: str, fn, *args):   # the engine's input thread, off the event loop
-        if tokenizer is None:
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
+        self.max_model_len = engine.config.max_model_len
+        self.metrics = ServerMetrics(engine, model_name)
+        engine.stat_logger = self.metrics.record
+        # a prompt of more characters than this cannot fit max_model_len: refused before tokenizing
+        longest = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer else 0
+        self.max_chars = self.max_model_len * longest if self.tokenizer else None
+        self.card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoinfer",
+                     "max_model_len": self.max_model_len}
+
+    def model(self, model_id: str | None) -> dict:
+        if model_id is not None and model_id != self.model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist (this server has "
+                                f"{self.model_name!r})", "model")
+        return self.card
+
+    async def in_thread(self, where: str, fn, *args):
+        """fn(*args) in the engine's input thread, off the event loop (ValueError: a 400)."""
+        if self.tokenizer is None:
             raise APIError(400, "text needs a tokenizer, and this server was started with "
-                                "--skip-tokenizer-init: send a completion's prompt as token ids", where)
+                                "--skip-tokenizer-init: send a completion's prompt as token ids",
+                           where)
         try:
-            return await asyncio.get_running_loop().run_in_executor(engine.inputs, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self.engine.inputs, fn, *args)
         except ValueError as e:
             raise APIError(400, str(e), where) from e
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError):
-        first = e.errors()[0]
-        if first["type"] == "json_invalid":
-            return JSONResponse(error_body(400, f"the body is not valid JSON: {first['ctx']['error']}"), 400)
-        where = ".".join(str(part) for part in first["loc"] if part != "body")
-        param = first["loc"][1] if len(first["loc"]) > 1 else None
-        return JSONResponse(error_body(400, f"{where or 'body'}: {first['msg']}", param), 400)
+    def check_length(self, num_chars: int, where: str) -> None:
+        if self.max_chars is not None and num_chars > self.max_chars:
+            raise APIError(400, f"{where}: {num_chars:,} characters, more tokens than this model's "
+                                f"maximum context length, {self.max_model_len}", where)
 
-    @app.exception_handler(APIError)
-    async def api_error_handler(request: Request, e: APIError):
-        return JSONResponse(error_body(e.status, str(e), e.param), e.status)
-
-    @app.exception_handler(HTTPException)   # an unknown route or method
-    async def http_error(request: Request, e: HTTPException):
-        return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code, headers=e.headers)
-
-    @app.exception_handler(Exception)   # a bug: still OpenAI's body (the traceback goes to the log)
-    async def internal_error(request: Request, e: Exception):
-        return JSONResponse(error_body(500, f"internal error ({type(e).__name__}); see the server's log"), 500)
-
-    @app.get("/health")
-    async def health():
-        return Response(status_code=503 if len(engine.errors) == len(engine.client.conns) else 200)
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [card]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        if model_id != model_name:
-            raise APIError(404, f"the model {model_id!r} does not exist (this server has {model_name!r})",
-                           "model")
-        return card
-
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, raw: Request):
-        prompts = request.prompt if isinstance(request.prompt, list) and request.prompt and \
-            not isinstance(request.prompt[0], int) else [request.prompt]
+    async def completion_prompts(self, request: CompletionRequest) -> list[dict]:
+        """A string, token ids, or a list of either."""
+        prompts = request.prompt
+        if not isinstance(prompts, list) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
         if not prompts:
             raise APIError(400, "prompt is an empty list", "prompt")
         inputs = []
@@ -156,32 +135,28 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
             if isinstance(prompt, list):
                 inputs.append({"prompt_token_ids": prompt})
                 continue
-            if max_chars is not None and len(prompt) > max_chars:
-                raise APIError(400, f"the prompt has {len(prompt):,} characters: more tokens than this "
-                                    f"model's maximum context length, {max_model_len}", "prompt")
-            inputs.append({"prompt": prompt,
-                           "prompt_token_ids": await in_thread("prompt", engine.input_processor.encode, prompt)})
-        return await generate(request, inputs, False, raw)
+            self.check_length(len(prompt), "prompt")
+            token_ids = await self.in_thread("prompt", self.engine.input_processor.encode, prompt)
+            inputs.append({"prompt": prompt, "prompt_token_ids": token_ids})
+        return inputs
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, raw: Request):
-        if max_chars is not None and sum(len(str(m.get("content"))) for m in request.messages) > max_chars:
-            raise APIError(400, "the messages are longer than this model's maximum context length, "
-                                f"{max_model_len} tokens", "messages")
-        prompt = await in_thread("messages", engine.input_processor.chat_prompt, request.messages)
-        return await generate(request, [prompt], True, raw)
+    async def chat_prompt(self, request: ChatCompletionRequest) -> list[dict]:
+        self.check_length(sum(len(str(m.get("content"))) for m in request.messages), "messages")
+        return [await self.in_thread("messages", self.engine.input_processor.chat_prompt,
+                                     request.messages)]
 
-    async def generate(request, prompts: list[dict], chat: bool, raw: Request):
-        if request.model is not None and request.model != model_name:
-            raise APIError(404, f"the model {request.model!r} does not exist (this server has "
-                                f"{model_name!r})", "model")
-        params = sampling_params(request, [len(p["prompt_token_ids"]) for p in prompts], chat, max_model_len)
+    async def generate(self, request, prompts: list[dict], chat: bool, raw: Request):
+        """Each prompt a request of the engine's; the answer, or a stream of chunks."""
+        self.model(request.model)
+        lens = [len(p["prompt_token_ids"]) for p in prompts]
+        params = sampling_params(request, lens, chat, self.max_model_len)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         top_n = (request.top_logprobs or 0) if chat else request.logprobs
-        chunker = Chunker(request_id, model_name, chat, params.n, prompts, top_n,
-                          not chat and request.echo, tokenizer)
-        outputs = engine_errors(merge([engine.generate(p, params, f"{request_id}-{i}")
-                                       for i, p in enumerate(prompts)]), field_names(request, chat), request_id)
+        chunker = Chunker(request_id, self.model_name, chat, params.n, prompts, top_n,
+                          not chat and request.echo, self.tokenizer)
+        streams = [self.engine.generate(prompt, params, f"{request_id}-{i}")
+                   for i, prompt in enumerate(prompts)]
+        outputs = engine_errors(merge(streams), field_names(request, chat), request_id)
         if not request.stream:   # the answer, unless the client goes away first (then: abort)
             async def answer():
                 finals = [None] * len(prompts)
@@ -190,28 +165,90 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
                 return chunker.final(finals)
             response = await until_disconnected(raw, answer())
             return Response(status_code=499) if response is None else response
-        first = await until_disconnected(raw, outputs.__anext__())   # (a bad request is still a 400)
+        first = await until_disconnected(raw, outputs.__anext__())   # (a bad request: still a 400)
         if first is None:
             return Response(status_code=499)
+        usage = (request.stream_options or {}).get("include_usage")
+        return StreamingResponse(events(first, outputs, chunker, usage, request_id),
+                                 media_type="text/event-stream")
 
-        async def events():
-            try:
-                for chunk in chunker.deltas(*first):
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                async for i, out in outputs:
-                    for chunk in chunker.deltas(i, out):
-                        yield f"data: {json.dumps(chunk)}\n\n"
-                if (request.stream_options or {}).get("include_usage"):
-                    yield f"data: {json.dumps(chunker.usage_chunk())}\n\n"
-            except Exception as e:   # (engine_errors' errors are APIErrors: anything else is a bug here)
-                if not isinstance(e, APIError):
-                    logger.exception("request %s failed", request_id)
-                    e = APIError(500, "internal error; see the server's log")
-                yield f"data: {json.dumps(error_body(e.status, str(e)))}\n\n"
-            finally:
-                await outputs.aclose()
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
+
+async def events(first, outputs, chunker: Chunker, usage: bool, request_id: str):
+    """A stream's server-sent events: a chunk per choice an output brings, then [DONE]."""
+    def event(body: dict) -> str:
+        return f"data: {json.dumps(body)}\n\n"
+    try:
+        for chunk in chunker.deltas(*first):
+            yield event(chunk)
+        async for i, out in outputs:
+            for chunk in chunker.deltas(i, out):
+                yield event(chunk)
+        if usage:
+            yield event(chunker.usage_chunk())
+    except Exception as e:   # (engine_errors' are APIErrors: anything else is a bug here)
+        if not isinstance(e, APIError):
+            logger.exception("request %s failed", request_id)
+            e = APIError(500, "internal error; see the server's log")
+        yield event(error_body(e.status, str(e)))
+    finally:
+        await outputs.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
+               max_request_bytes: int | None = None) -> FastAPI:
+    app = FastAPI(title="nanoinfer")
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    serving = OpenAIServing(engine, model_name)
+
+    def error(status: int, message: str, param: str | None = None, **kwargs) -> JSONResponse:
+        return JSONResponse(error_body(status, message, param), status, **kwargs)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        if first["type"] == "json_invalid":
+            return error(400, f"the body is not valid JSON: {first['ctx']['error']}")
+        where = ".".join(str(part) for part in first["loc"] if part != "body")
+        param = first["loc"][1] if len(first["loc"]) > 1 else None
+        return error(400, f"{where or 'body'}: {first['msg']}", param)
+
+    @app.exception_handler(APIError)
+    async def api_error_handler(request: Request, e: APIError):
+        return error(e.status, str(e), e.param)
+
+    @app.exception_handler(HTTPException)   # an unknown route or method
+    async def http_error(request: Request, e: HTTPException):
+        return error(e.status_code, str(e.detail), headers=e.headers)
+
+    @app.exception_handler(Exception)   # a bug: still OpenAI's body (the traceback goes to the log)
+    async def internal_error(request: Request, e: Exception):
+        return error(500, f"internal error ({type(e).__name__}); see the server's log")
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=503 if len(engine.errors) == len(engine.client.conns) else 200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(serving.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [serving.card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return serving.model(model_id)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw: Request):
+        prompts = await serving.completion_prompts(request)
+        return await serving.generate(request, prompts, False, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw: Request):
+        return await serving.generate(request, await serving.chat_prompt(request), True, raw)
 
     return app
 
@@ -221,7 +258,8 @@ async def engine_errors(outputs, names: dict[str, str], request_id: str):
     try:
         async for i, out in outputs:
             for c in out.outputs:
-                if c.finish_reason == "abort" and isinstance(c.stop_reason, str):   # its grammar failed
+                # an abort with a message: its grammar failed
+                if c.finish_reason == "abort" and isinstance(c.stop_reason, str):
                     raise APIError(400, c.stop_reason, "response_format")
             yield i, out
     except APIError:
@@ -244,7 +282,8 @@ async def disconnected(raw: Request) -> None:
 
 
 async def until_disconnected(raw: Request, awaitable):
-    """The awaitable's result; or None, and the awaitable cancelled, if the client goes away first."""
+    """The awaitable's result; or None, and the awaitable cancelled, if the client goes away
+    first."""
     task, gone = asyncio.ensure_future(awaitable), asyncio.ensure_future(disconnected(raw))
     try:
         await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)

@@ -86,7 +86,8 @@ def check_fields(request) -> None:
         if given.get(name) not in harmless:
             raise APIError(400, f"{name} is not supported by this server", name)
     if request.best_of not in (None, request.n):
-        raise APIError(400, f"best_of={request.best_of} is not supported: it must equal n", "best_of")
+        raise APIError(400, f"best_of={request.best_of} is not supported: it must equal n",
+                       "best_of")
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
     if request.logit_bias and not all(re.fullmatch("[0-9]+", k) and -100 <= v <= 100
@@ -119,7 +120,8 @@ def guided_decoding(request) -> GuidedDecodingParams | None:
 
 def field_names(request, chat: bool) -> dict[str, str]:
     """SamplingParams' fields by the names the request gave them (the others: the same)."""
-    names = {"guided_decoding": "response_format", "logprobs": "top_logprobs" if chat else "logprobs"}
+    names = {"guided_decoding": "response_format",
+             "logprobs": "top_logprobs" if chat else "logprobs"}
     if chat and request.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
     return names
@@ -130,8 +132,8 @@ def sampling_params(request, prompt_lens: list[int], chat: bool, max_model_len: 
     check_fields(request)
     where = "messages" if chat else "prompt"
     if max(prompt_lens) >= max_model_len:
-        raise APIError(400, f"the prompt has {max(prompt_lens)} tokens; this model's maximum context "
-                            f"length is {max_model_len} (prompt and output)", where)
+        raise APIError(400, f"the prompt has {max(prompt_lens)} tokens; this model's maximum "
+                            f"context length is {max_model_len} (prompt and output)", where)
     names = field_names(request, chat)
     max_tokens = request.max_completion_tokens if "max_tokens" in names else request.max_tokens
     names.setdefault("max_tokens", "max_tokens")
@@ -151,7 +153,8 @@ def sampling_params(request, prompt_lens: list[int], chat: bool, max_model_len: 
         "include_stop_str_in_output", "skip_special_tokens")}
     try:
         return SamplingParams(
-            **fields, max_tokens=max_tokens, stop=request.stop, stop_token_ids=request.stop_token_ids,
+            **fields, max_tokens=max_tokens, stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
             logprobs=logprobs, prompt_logprobs=logprobs if echo and logprobs is not None
             else request.prompt_logprobs, guided_decoding=guided_decoding(request),
             logit_bias={int(k): v for k, v in (request.logit_bias or {}).items()} or None,
@@ -181,11 +184,13 @@ class Chunker:
         self.prompts, self.top_n, self.echo, self.tokenizer = prompts, top_n, echo, tokenizer
         self.completion_tokens: dict[int, int] = {}   # per choice
         self.offsets: dict[int, int] = {}   # per choice: the length of the text sent so far
-        self.cached_tokens = [0] * len(prompts)   # found in the prefix cache, or loaded (kv_transfer/)
+        # per prompt: its tokens found in the prefix cache, or loaded (kv_transfer/)
+        self.cached_tokens = [0] * len(prompts)
 
     def head(self, suffix: str = "") -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
-        return {"id": self.id, "object": kind + suffix, "created": self.created, "model": self.model}
+        return {"id": self.id, "object": kind + suffix, "created": self.created,
+                "model": self.model}
 
     def choice(self, i: int, out, c, delta: bool) -> dict:
         index, self.cached_tokens[i] = i * self.n + c.index, out.num_cached_tokens
@@ -193,7 +198,8 @@ class Chunker:
         self.completion_tokens[index] = self.completion_tokens.get(index, 0) + len(c.token_ids)
         text, tokens = c.text, c.logprobs
         if first and self.echo:   # the prompt first, its first token without a logprob
-            text = (self.prompts[i].get("prompt") or self.tokenizer.decode(out.prompt_token_ids)) + text
+            prompt = self.prompts[i].get("prompt") or self.tokenizer.decode(out.prompt_token_ids)
+            text = prompt + text
             if tokens is not None:
                 first_token = {out.prompt_token_ids[0]: None}
                 tokens = [first_token] + (out.prompt_logprobs or [None])[1:] + tokens
@@ -220,17 +226,20 @@ class Chunker:
             for e in entries]}
 
     def completion_logprobs(self, entries, index: int) -> dict:
-        """tokens, token_logprobs, top_logprobs and text_offset (an echoed first token: no logprob)."""
+        """tokens, token_logprobs, top_logprobs and text_offset (an echoed first token: no
+        logprob)."""
         def name(t, lp) -> str:   # (without a tokenizer a token is named by its id)
-            text = lp.decoded_token if lp is not None else self.tokenizer and self.tokenizer.decode([t])
+            text = lp.decoded_token if lp is not None else \
+                self.tokenizer and self.tokenizer.decode([t])
             return f"token_id:{t}" if text is None else text
         sampled = [next(iter(e.items())) for e in entries]
         tokens = [name(*s) for s in sampled]
         offsets = [self.offsets.get(index, 0)]
         for token in tokens[:-1]:
             offsets.append(offsets[-1] + len(token))
+        # ("reversed": of tokens with the same name, the first wins)
         top = [None if lp is None else {name(t, x): x.logprob for t, x in reversed(e.items())}
-               for e, (_, lp) in zip(entries, sampled)]   # ("reversed": the first of equal names wins)
+               for e, (_, lp) in zip(entries, sampled)]
         return {"tokens": tokens, "token_logprobs": [lp and lp.logprob for _, lp in sampled],
                 "top_logprobs": top, "text_offset": offsets}
 
@@ -243,8 +252,8 @@ class Chunker:
 
     def deltas(self, i: int, out) -> list[dict]:
         """One chunk per sample the output brings."""
-        return [self.head(".chunk" if self.chat else "") | {"choices": [self.choice(i, out, c, True)],
-                                                            "usage": None} for c in out.outputs]
+        return [self.head(".chunk" if self.chat else "")
+                | {"choices": [self.choice(i, out, c, True)], "usage": None} for c in out.outputs]
 
     def usage_chunk(self) -> dict:
         return self.head(".chunk" if self.chat else "") | {"choices": [], "usage": self.usage()}

@@ -50,7 +50,8 @@ import torch
 from nanoinfer import distributed
 from nanoinfer.config import Config
 from nanoinfer.engine.messages import GrammarOutput, SchedulerOutput
-from nanoinfer.engine.model_runner import ModelRunner, ModelRunnerOutput
+from nanoinfer.engine.messages import ModelRunnerOutput
+from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.executor.message_queue import MessageQueue
 
 

@@ -116,7 +116,8 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: in
 
 
 def score_prompt_tokens(compute_logits, hidden_states: torch.Tensor, index: torch.Tensor,
-                    targets: torch.Tensor, num_top: int, chunk: int = 256) -> list[torch.Tensor] | None:
+                        targets: torch.Tensor, num_top: int, chunk: int = 256
+                        ) -> list[torch.Tensor] | None:
     """`gather_logprobs` of the tokens `targets` from the logits of the hidden states at `index`,
     `chunk` rows at a time (a row of float32 logits over a large vocabulary is half a MB); None
     on the ranks that get no logits (tensor parallelism: every rank must take part)."""
@@ -124,7 +125,8 @@ def score_prompt_tokens(compute_logits, hidden_states: torch.Tensor, index: torc
     for i in range(0, len(index), chunk):
         logits = compute_logits(hidden_states[index[i:i + chunk]])
         if logits is not None:
-            out.append(gather_logprobs(logits.float().log_softmax(-1), targets[i:i + chunk, None], num_top))
+            logprobs = logits.float().log_softmax(-1)
+            out.append(gather_logprobs(logprobs, targets[i:i + chunk, None], num_top))
     return [torch.cat(parts) for parts in zip(*out)] if out else None
 
 

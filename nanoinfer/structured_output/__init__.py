@@ -3,9 +3,9 @@ language, given as a regex, a JSON schema or a list of choices.
 
 The pipeline, per request:
 1. `add_request`: the constraint becomes a regex (json_schema.py; choices are an alternation of
-   escaped literals) and its DFA is built at once (regex.py: well under a second, cached by
-   regex), so an unsupported feature, an unsatisfiable constraint or one too large is a
-   ValueError there, never a failure later;
+   escaped literals) and its DFA is built at once (regex.py, dfa.py; under a second, and a
+   pattern that would take longer is refused; cached by regex), so an unsupported feature, an
+   unsatisfiable constraint or one too large is a ValueError there, never a failure later;
 2. a background thread works out, against the tokenizer's vocabulary, the tokens of the DFA's
    start state (token_index.py); a second one then works out the other states' tokens ahead of
    need. Meanwhile the request waits in WAITING_FOR_FSM and the scheduler takes the requests

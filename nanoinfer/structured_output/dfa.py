@@ -16,7 +16,9 @@ The DFA is built bottom-up, one tree node at a time, each node's automaton from 
   one vectorised step, and only sets of several states (where parts overlap: `a*ab`) are
   explored one by one. A part whose end has no way on (a character, a quoted string) leaves no
   such set behind, so `x{0,1000}` costs a thousand copies of x's table, not a thousand subset
-  constructions;
+  constructions (a repeated part that matches the empty string is repeated without it: `(a?){n}`
+  is `a{0,n}`). Parts that do overlap (`(\\w+ ){0,20}\\w+`: is a word the last?) are explored set
+  by set, some ten thousand a second on a small CPU: more than `MAX_SUBSETS` is a ValueError;
 - each node's result of at most `MINIMIZE_MAX` states is minimised (Moore's partition
   refinement, when it settles within `MAX_ROUNDS` rounds), so that the parts a repeat copies are
   as small as they can be. A set of no characters is the empty language (None), which a cat
@@ -25,12 +27,15 @@ Bytes that no row tells apart share a class: the table has a column per class. A
 than `MAX_STATES` states is a ValueError, found before the table that would pass it is made.
 """
 import functools
+import threading
 
 import numpy as np
 
 from nanoinfer.structured_output.regex import MAX_CHAR, complement, parse
 
 MAX_STATES, MAX_ROUNDS, MINIMIZE_MAX = 50_000, 24, 4096
+MAX_SUBSETS = 10_000   # sets of several states a pattern may explore (each costs Python work)
+budget = threading.local()   # this thread's pattern's: the sets it may still explore
 SURROGATES = (0xD800, 0xDFFF)
 
 
@@ -113,6 +118,8 @@ def build(node):
     part = build(part)
     if part is None or hi == 0:
         return EMPTY_STRING if lo == 0 else None
+    if part[1][1]:   # x accepts the empty string: x{lo,hi} is x'{0,hi}, x' = x without it, whose
+        part, lo = without_empty_string(part), 0   # copies then need no subset construction
     copies = max(lo, 1) if hi is None else hi
     if copies * len(part[0]) > MAX_STATES:
         raise ValueError(f"the regex needs more than {MAX_STATES:,} DFA states (a repeat of "
@@ -120,6 +127,16 @@ def build(node):
     links = [(i, i + 1) for i in range(copies - 1)] + ([(copies - 1,) * 2] if hi is None else [])
     parts = [part] * copies + [EMPTY_STRING] * (lo == 0)   # (that last part: the empty string)
     return combine(parts, links, [0, copies][:1 + (lo == 0)], range(max(lo, 1) - 1, len(parts)))
+
+
+def without_empty_string(automaton):
+    """The language less the empty string: a new start (a copy of the old one's row) that does
+    not accept; what led back to the start leads to the old start, which does."""
+    table, accepting, byte_class = automaton
+    moved = len(table)   # the old start's new number
+    table = np.where(table == 1, moved, table)
+    table = np.concatenate([table, table[1:2]])
+    return table, np.concatenate([accepting[:1], [False], accepting[2:], [True]]), byte_class
 
 
 def combine(parts: list, links: list[tuple[int, int]], first, final):
@@ -131,8 +148,10 @@ def combine(parts: list, links: list[tuple[int, int]], first, final):
     distinct = list({id(p): p for p in parts}.values())   # (a repeat's copies are one part)
     cuts = np.unique(np.concatenate([[0]] + [np.flatnonzero(np.diff(p[2])) + 1 for p in distinct]))
     columns = {id(p): p[0][1:, p[2][cuts]] for p in distinct}   # over the classes of them all
+    # part i's states renumbered from offsets[i]; the dead state stays 0
     table = np.concatenate([np.zeros((1, len(cuts)), np.int32)] + [
-        np.where(columns[id(p)] == 0, 0, columns[id(p)] + (off - 1)) for p, off in zip(parts, offsets)])
+        np.where(columns[id(p)] == 0, 0, columns[id(p)] + (off - 1))
+        for p, off in zip(parts, offsets)])
     accepts = [np.flatnonzero(p[1]) + (off - 1) for p, off in zip(parts, offsets)]
     is_final = np.zeros(len(table), bool)
     is_final[np.concatenate([accepts[i] for i in final])] = True
@@ -143,7 +162,8 @@ def combine(parts: list, links: list[tuple[int, int]], first, final):
     table, accepting = determinize(table, is_final, eps, [int(offsets[i]) for i in first])
     if len(table) <= MINIMIZE_MAX:
         table, accepting = minimize(table, accepting)
-    return table, accepting, np.searchsorted(cuts, np.arange(256), side="right").astype(np.int32) - 1
+    byte_class = np.searchsorted(cuts, np.arange(256), side="right").astype(np.int32) - 1
+    return table, accepting, byte_class
 
 
 def determinize(table: np.ndarray, is_final: np.ndarray, eps: dict[int, list[int]],
@@ -170,8 +190,10 @@ def determinize(table: np.ndarray, is_final: np.ndarray, eps: dict[int, list[int
         if not members:
             return 0
         if members not in sets:
-            if len(table) + len(sets) >= MAX_STATES:
-                raise ValueError(f"the regex needs more than {MAX_STATES:,} DFA states")
+            budget.subsets -= 1
+            if len(table) + len(sets) >= MAX_STATES or budget.subsets < 0:
+                raise ValueError(f"the regex needs more than {MAX_STATES:,} DFA states, or more "
+                                 f"than {MAX_SUBSETS:,} built by the subset construction")
             sets[members] = len(table) + len(sets)
             members_of.append(members)
         return sets[members]
@@ -187,8 +209,10 @@ def determinize(table: np.ndarray, is_final: np.ndarray, eps: dict[int, list[int
         row = np.where(live == 1, remap[targets].max(0), 0)   # one member goes on: its closure
         several = np.flatnonzero(live > 1)
         if len(several):   # (each distinct column of targets once)
-            columns, which = np.unique(targets[:, several].T, axis=0, return_inverse=True)
-            ids = [state_of(closure(set(c.tolist()) - {0})) for c in columns]
+            columns = np.ascontiguousarray(targets[:, several].T)
+            keys = columns.view(np.dtype((np.void, columns.shape[1] * columns.itemsize))).ravel()
+            _, first, which = np.unique(keys, return_index=True, return_inverse=True)
+            ids = [state_of(closure(set(columns[i].tolist()) - {0})) for i in first]
             row[several] = np.array(ids, np.int32)[which.reshape(-1)]
         rows.append(row[None])
         accepting.append(is_final[sorted(members)].any(keepdims=True))
@@ -242,6 +266,7 @@ class DFA:
 def compile_regex(pattern: str) -> DFA:
     """The DFA of a Python regex; a ValueError says what is not supported. Cached: the front end
     compiles a request's constraint to check it, the core to use it."""
+    budget.subsets = MAX_SUBSETS
     try:
         automaton = build(parse(pattern))
     finally:

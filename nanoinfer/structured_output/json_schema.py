@@ -26,6 +26,7 @@ nested at most `ANY_DEPTH` deep if it has none. Anything else is a ValueError na
 """
 import json
 import re
+from urllib.parse import unquote
 
 from nanoinfer.structured_output.dfa import compile_regex
 from nanoinfer.structured_output.regex import parse, to_regex
@@ -113,7 +114,8 @@ class SchemaCompiler:
             raise ValueError(f"unsupported JSON schema keyword {sorted(unknown)[0]!r}")
         for key in ("enum", "anyOf", "allOf", "type"):
             if schema.get(key) == []:
-                raise Unsatisfiable(f"JSON schema keyword {key!r} with an empty list matches nothing")
+                raise Unsatisfiable(f"JSON schema keyword {key!r} with an empty list matches "
+                                    "nothing")
         if "$ref" in schema:
             return self.ref(schema)
         if "allOf" in schema:
@@ -188,14 +190,21 @@ class SchemaCompiler:
         items = schema.get("items", True)
         if not isinstance(items, (dict, bool)):
             raise ValueError(f"unsupported JSON schema 'items' {items!r}: it must be a schema")
+        if items is False and lo:
+            raise Unsatisfiable("JSON schema with items false and minItems > 0 matches nothing")
         if items is False:
             hi = 0
         return rf"\[{repeat(self.compile(items) if hi != 0 else '', lo, hi)}\]"
 
     def object(self, schema: dict) -> str:
-        extra = schema.get("additionalProperties", True)
-        props = dict(schema.get("properties", {}))
+        extra, props = schema.get("additionalProperties", True), schema.get("properties", {})
+        if not isinstance(props, dict):
+            raise ValueError(f"JSON schema keyword 'properties' must be an object, got {props!r}")
+        props = dict(props)
         required = schema.get("required", [])
+        names = [*required, *props] if isinstance(required, list) else [None]
+        if not all(isinstance(name, str) for name in names):
+            raise ValueError(f"JSON schema property names must be strings, got {required!r}")
         for name in required:   # (required without a schema of its own: additionalProperties')
             props.setdefault(name, extra)
         if not props:   # any object (whose values follow additionalProperties)
@@ -225,17 +234,19 @@ class SchemaCompiler:
     def ref(self, schema: dict) -> str:
         """A local JSON pointer (#/...), with the keywords beside it."""
         ref = schema["$ref"]
-        if not isinstance(ref, str) or not ref.startswith("#"):
-            raise ValueError(f"unsupported $ref {ref!r}: only references inside the schema (#/...)")
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise ValueError(f"unsupported $ref {ref!r}: only JSON pointers into the schema "
+                             "(#/...)")
         target = self.root
         try:
-            for part in filter(None, ref[1:].split("/")):
+            for part in unquote(ref[2:]).split("/") if ref != "#" else []:
                 part = part.replace("~1", "/").replace("~0", "~")
                 target = target[int(part)] if isinstance(target, list) else target[part]
         except (KeyError, IndexError, ValueError, TypeError):
             raise ValueError(f"$ref {ref!r} names nothing in the schema") from None
         if ref in self.resolving:
-            raise ValueError(f"recursive $ref {ref!r}: a recursive schema is not a regular language")
+            raise ValueError(f"recursive $ref {ref!r}: a recursive schema is not a regular "
+                             "language")
         self.resolving.append(ref)
         try:
             return self.compile(merge(without(schema, "$ref"), target))
@@ -244,9 +255,16 @@ class SchemaCompiler:
 
 
 def json_schema_to_regex(schema: dict | str) -> str:
+    """The schema's regex; a ValueError names what is not supported. An `$id` may only stand at
+    the root: below it, it would change what the `$ref`s inside mean."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise ValueError(f"the JSON schema is not valid JSON: {e}") from e
-    return SchemaCompiler(schema).compile(schema)
+    if isinstance(schema, dict):
+        schema = without(schema, "$id")
+    try:
+        return SchemaCompiler(schema).compile(schema)
+    except (TypeError, AttributeError, KeyError, RecursionError) as e:   # a keyword's wrong type
+        raise ValueError(f"malformed JSON schema ({type(e).__name__}: {e})") from e

@@ -10,9 +10,11 @@ max or None). Character classes become explicit code point ranges, in the dialec
   `(?s)`);
 - ECMAScript's (JSON Schema's `pattern`, `parse(pattern, ecmascript=True)`): `\\d` and `\\w` are
   ASCII's, `\\s` is ECMAScript's white space and line terminators, `.` leaves out the four line
-  terminators, `\\cX` is a control character, and the escapes of Python's own (`\\A`, `\\Z`,
-  `\\a`, ...) are refused. Where ECMAScript and Python's `re` (which `jsonschema` uses) differ,
-  a class holds only what both put in it (`\\s` leaves out U+FEFF; `\\W` every Unicode letter).
+  terminators (as with its `u` flag, which JSON Schema asks for), and what it does not have or
+  reads otherwise than Python (`\\A`, `\\Z`, `\\a`, `\\cX`, `{,n}`, `[]`, `(?P<...>)`) is
+  refused. Where ECMAScript and Python's `re` (which `jsonschema` uses) differ, a class holds
+  only what both put in it (`\\s` leaves out U+FEFF; `\\W` every Unicode letter; `[^\\d]` every
+  Unicode digit).
 Supported: literals and escapes, `.`, classes and negated classes, groups, `|`, `? * +`, `{m}`,
 `{m,}`, `{m,n}` (lazy or not: the same language for a full match), and `^`/`$` at the ends.
 Lookaround, backreferences, `\\b`, other inline flags (case-insensitive matching) and
@@ -35,7 +37,7 @@ ASCII_CLASSES = {"d": [(48, 57)], "w": [(48, 57), (65, 90), (95, 95), (97, 122)]
 ES_CLASSES = {**ASCII_CLASSES, "s": [(9, 13), (32, 32), (0xA0, 0xA0), (0x1680, 0x1680),
               (0x2000, 0x200A), (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F),
               (0x3000, 0x3000), (0xFEFF, 0xFEFF)]}   # ECMAScript's (JSON Schema's patterns)
-ES_ESCAPES = set("dDwWsSbBtnvfr0xuc")   # the letters and digits ECMAScript escapes
+ES_ESCAPES = set("dDwWsSbBtnvfr0xu")   # the letters and digits ECMAScript escapes (and Python)
 CATEGORIES = {sre.CATEGORY_DIGIT: ("d", False), sre.CATEGORY_NOT_DIGIT: ("d", True),
               sre.CATEGORY_WORD: ("w", False), sre.CATEGORY_NOT_WORD: ("w", True),
               sre.CATEGORY_SPACE: ("s", False), sre.CATEGORY_NOT_SPACE: ("s", True)}
@@ -51,42 +53,38 @@ def complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 @functools.cache
-def category_ranges(category, ecmascript: bool, ascii_only: bool) -> list[tuple[int, int]]:
-    """The code points of `\\d`, `\\w`, `\\s` or a negation. Python's Unicode classes are found
-    by `re` itself, over every code point. ECMAScript's hold only what they and Python's `re`
-    (which `jsonschema` judges patterns with) agree on: a text must satisfy both."""
+def category_ranges(category, classes: str) -> list[tuple[int, int]]:
+    """The code points of `\\d`, `\\w`, `\\s` or a negation, as `classes` ("unicode": Python's
+    re, found by `re` itself over every code point; "ascii"; "ecmascript") have them."""
     name, negated = CATEGORIES[category]
-    if ascii_only:
-        ranges = ASCII_CLASSES[name]
-    else:
+    if classes == "unicode":
         every = "".join(map(chr, range(MAX_CHAR + 1)))
         ranges = [(m.start(), m.end() - 1) for m in re.finditer(f"\\{name}+", every)]
-    if ecmascript and negated:   # in neither
-        ranges = ranges + ES_CLASSES[name]
-    elif ecmascript:   # in both
-        ranges = complement(complement(ranges) + complement(ES_CLASSES[name]))
+    else:
+        ranges = (ES_CLASSES if classes == "ecmascript" else ASCII_CLASSES)[name]
     return complement(ranges) if negated else ranges
 
 
-def ecmascript_escapes(pattern: str) -> str:
-    """An ECMAScript pattern in Python's syntax: `\\cX` as its control character; a ValueError
-    for an escape ECMAScript does not have (or that means something else in Python)."""
-    def one(m: re.Match) -> str:
+def check_ecmascript(pattern: str) -> None:
+    """A ValueError for what ECMAScript does not have, or reads otherwise than Python's re:
+    escapes such as `\\A`, `\\Z`, `\\a`, `\\c` (which Python refuses), `\\0` and a digit, `{,n}`,
+    `[]` and `[^]`, `(?P...)` and `(?#...)`."""
+    for m in re.finditer(r"\\(.)(?=(.?))", pattern, flags=re.S):
         c = m.group(1)
-        if c == "c" and re.fullmatch("[A-Za-z]", m.group(2)):
-            return f"\\x{ord(m.group(2)) % 32:02x}"
         if (c.isalnum() and c not in ES_ESCAPES) or (c == "0" and m.group(2).isdigit()):
             raise ValueError(f"unsupported regex escape \\{c} in {pattern!r} (JSON Schema's "
                              "patterns are ECMAScript regexes)")
-        return m.group(0)
-    return re.sub(r"\\(.)(?=(.?))", one, pattern, flags=re.S)
+    if m := re.search(r"\(\?[P#]|(?<!\\)\{,|(?<!\\)\[\^?\]", pattern):
+        raise ValueError(f"unsupported regex syntax {m.group()!r} in {pattern!r} (JSON Schema's "
+                         "patterns are ECMAScript regexes)")
 
 
 def parse(pattern: str, ecmascript: bool = False):
     """The pattern as a tree, read by Python's own regex parser."""
-    source = ecmascript_escapes(pattern) if ecmascript else pattern
+    if ecmascript:
+        check_ecmascript(pattern)
     try:
-        parsed = sre.parse(source)
+        parsed = sre.parse(pattern)
     except re.error as e:
         raise ValueError(f"bad regex {pattern!r}: {e}") from None
     if parsed.state.flags & ~(re.UNICODE if ecmascript else re.UNICODE | re.ASCII | re.DOTALL):
@@ -97,9 +95,10 @@ def parse(pattern: str, ecmascript: bool = False):
     if items and items[-1] in ((sre.AT, sre.AT_END), (sre.AT, sre.AT_END_STRING)):
         items = items[:-1]
     line_ends = [(10, 10), (13, 13), (0x2028, 0x2029)] if ecmascript else [(10, 10)]
-    dialect = (ecmascript, bool(parsed.state.flags & re.ASCII),
-               [] if parsed.state.flags & re.DOTALL else line_ends)
-    return tree(items, pattern, dialect)
+    # the classes a text must satisfy: ECMAScript's and Python's (jsonschema's), or Python's
+    classes = ["unicode", "ecmascript"] if ecmascript else \
+        ["ascii" if parsed.state.flags & re.ASCII else "unicode"]
+    return tree(items, pattern, (classes, [] if parsed.state.flags & re.DOTALL else line_ends))
 
 
 def to_regex(node, excluded: list[tuple[int, int]] = ()) -> str:
@@ -123,9 +122,10 @@ def tree(items, pattern: str, dialect):
         elif op == sre.NOT_LITERAL:
             parts.append(("set", tuple(complement([(arg, arg)]))))
         elif op == sre.ANY:
-            parts.append(("set", tuple(complement(dialect[2]))))
-        elif op == sre.IN:
-            parts.append(("set", tuple(char_class(arg, dialect[:2]))))
+            parts.append(("set", tuple(complement(dialect[1]))))
+        elif op == sre.IN:   # (in every dialect the text must satisfy)
+            ranges = [char_class(arg, classes) for classes in dialect[0]]
+            parts.append(("set", tuple(complement([r for c in ranges for r in complement(c)]))))
         elif op == sre.BRANCH:
             parts.append(("alt", tuple(tree(branch, pattern, dialect) for branch in arg[1])))
         elif op == sre.SUBPATTERN and not (arg[1] or arg[2]):   # (a group without flags)
@@ -139,8 +139,8 @@ def tree(items, pattern: str, dialect):
     return ("cat", tuple(parts))
 
 
-def char_class(items, dialect: tuple[bool, bool]) -> list[tuple[int, int]]:
-    """The code point ranges of a class."""
+def char_class(items, classes: str) -> list[tuple[int, int]]:
+    """The code point ranges of a class, its categories as `classes` has them."""
     ranges = []
     for op, arg in items:
         if op == sre.LITERAL:
@@ -148,5 +148,5 @@ def char_class(items, dialect: tuple[bool, bool]) -> list[tuple[int, int]]:
         elif op == sre.RANGE:
             ranges.append(arg)
         elif op == sre.CATEGORY:
-            ranges += category_ranges(arg, *dialect)
+            ranges += category_ranges(arg, classes)
     return complement(ranges) if items and items[0][0] == sre.NEGATE else ranges

@@ -10,7 +10,7 @@ without a common one) is `Unsatisfiable`, which an anyOf takes as a branch to le
 """
 import json
 
-ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$comment",
                "$defs", "definitions", "format", "deprecated", "readOnly", "writeOnly",
                "$anchor", "contentMediaType", "contentEncoding", "contentSchema"}
 
@@ -23,7 +23,8 @@ def dumps(value) -> str:
     try:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except ValueError:
-        raise ValueError(f"JSON schema value {value!r} is not JSON (a number out of range?)") from None
+        raise ValueError(f"JSON schema value {value!r} is not JSON (a number out of range?)"
+                         ) from None
 
 
 def without(schema: dict, *keys: str) -> dict:

@@ -1,0 +1,66 @@
+"""A launched step's output on its way to the host (the model runner's, engine/model_runner.py).
+
+`sample_tokens` returns without waiting for the GPU: the step's sampled tokens (and logprobs,
+drafts, prompt logprobs) are copied to pinned host memory by copies queued behind the step's
+kernels, and an event is recorded after them. `get_output()` waits for that event alone and
+turns the tensors into the plain `ModelRunnerOutput` the scheduler reads. So the host can
+schedule and launch the next step while this one still runs (async scheduling).
+"""
+import itertools
+
+import torch
+
+from nanoinfer.engine.messages import LogprobsLists, ModelRunnerOutput
+from nanoinfer.layers.sampler import SamplerOutput
+
+
+class AsyncModelRunnerOutput:
+    """A launched step's sampled tokens on their way to the host: `get_output` waits for them."""
+
+    def __init__(self, seq_ids: list[int], sampled: SamplerOutput | None = None,
+                 rows_per_request: list[int] | None = None, drafts: torch.Tensor | None = None):
+        """sampled: a row of tokens per request (padded with -1), and logprobs a row per sample row
+        (`rows_per_request` of them per request: its drafts and one; one each by default)."""
+        self.seq_ids, self.sampled, self.copied = seq_ids, None, None
+        self.kv_loaded: dict[int, int] | None = None   # (a KV connector's blocks, loaded in the step)
+        # the step's prompt tokens' logprobs: (the layout, the rows)
+        self.prompt_logprobs: tuple[list, list[torch.Tensor] | None] | None = None
+        self.rows_per_request = rows_per_request
+        self.drafts = None if drafts is None else drafts.to("cpu", non_blocking=True)
+        if sampled is not None:   # copies queued behind the step's kernels; the host goes on
+            self.sampled = SamplerOutput(*(t if t is None else t.to("cpu", non_blocking=True)
+                                           for t in (sampled.sampled_token_ids, sampled.logprob_token_ids,
+                                                     sampled.logprobs, sampled.sampled_token_ranks)))
+            if sampled.sampled_token_ids.is_cuda:
+                self.copied = torch.cuda.Event()
+                self.copied.record()
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self.sampled is None:
+            return ModelRunnerOutput(kv_loaded=self.kv_loaded, prompt_logprobs=self.prompt_rows())
+        if self.copied is not None:
+            self.copied.synchronize()
+        token_ids = self.sampled.sampled_token_ids.tolist()
+        if self.rows_per_request is not None:   # verified drafts: rows padded with -1
+            token_ids = [[t for t in row if t >= 0] for row in token_ids]
+        out = ModelRunnerOutput(self.seq_ids, token_ids, kv_loaded=self.kv_loaded,
+                                prompt_logprobs=self.prompt_rows())
+        if self.drafts is not None:
+            out.spec_token_ids = self.drafts.tolist()
+        if self.sampled.logprobs is not None:   # a request's emitted tokens are its first sample rows
+            starts = itertools.accumulate(self.rows_per_request or [1] * len(self.seq_ids), initial=0)
+            rows = [start + j for start, new in zip(starts, out.sampled_token_ids) for j in range(len(new))]
+            s = self.sampled
+            ids, logprobs, ranks = s.logprob_token_ids.tolist(), s.logprobs.tolist(), s.sampled_token_ranks.tolist()
+            out.logprobs = LogprobsLists([ids[r] for r in rows], [logprobs[r] for r in rows], [ranks[r] for r in rows])
+        return out
+
+    def prompt_rows(self) -> dict | None:
+        """seq_id -> (position of its first token scored, LogprobsLists of its tokens)."""
+        if self.prompt_logprobs is None or self.prompt_logprobs[1] is None:
+            return None
+        layout, rows = self.prompt_logprobs
+        ids, logprobs, ranks = (t.tolist() for t in rows)
+        starts = itertools.accumulate([n for _, _, n in layout], initial=0)
+        return {seq_id: (first, LogprobsLists(ids[k:k + n], logprobs[k:k + n], ranks[k:k + n]))
+                for (seq_id, first, n), k in zip(layout, starts)}
