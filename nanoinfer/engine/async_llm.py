@@ -3,9 +3,9 @@
     async for out in engine.generate(prompt, params, request_id):   # a RequestOutput per step
         ...
 
-The front end runs in the caller's event loop: it tokenizes and validates the request in a
-thread of its own, so that a long prompt or a grammar being built holds up no stream
-(InputProcessor; a bad one raises ValueError at once), sends it to an engine core process
+The front end runs in the caller's event loop: it tokenizes and validates the request
+(InputProcessor; a bad one raises ValueError at once; a long text or a grammar to build in a
+thread of its own, `off_loop`, so that it holds up no stream), sends it to an engine core process
 (core_client.py), and gives the request a stream. The client's reader thread hands each step's
 token ids to the event loop, where the OutputProcessor detokenizes them and puts each request's
 RequestOutput in its stream (all front-end state is touched in the loop's thread only). A stop
@@ -34,6 +34,7 @@ from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("nanoinfer")
+LONG_TEXT = 20_000   # characters: a text longer than this is tokenized off the event loop
 
 
 class RequestStream:
@@ -71,6 +72,15 @@ def fresh(error: BaseException) -> BaseException:
     return new
 
 
+def is_heavy(prompt: PromptType, params) -> bool:
+    """Is a request's input slow to process: a grammar to build, or a long text to tokenize?"""
+    if getattr(params, "guided_decoding", None) is not None:
+        return True
+    if isinstance(prompt, dict):
+        prompt = None if "prompt_token_ids" in prompt else prompt.get("prompt")
+    return isinstance(prompt, str) and len(prompt) > LONG_TEXT
+
+
 class AsyncLLM:
 
     def __init__(self, model: str, data_parallel_size: int = 1, **kwargs):
@@ -94,8 +104,8 @@ class AsyncLLM:
         self.loop = asyncio.get_running_loop()
         if len(self.errors) == len(self.client.conns):
             raise fresh(next(iter(self.errors.values())))
-        text, request = await self.loop.run_in_executor(self.inputs, self.input_processor.process,
-                                                        request_id, prompt, params)
+        text, request = await self.off_loop(is_heavy(prompt, params), self.input_processor.process,
+                                            request_id, prompt, params)
         self.output_processor.add_request(text, request)   # (ValueError if the id is in use)
         stream = self.streams[request_id] = RequestStream(request.params[0].output_kind)
         try:
@@ -106,6 +116,14 @@ class AsyncLLM:
         finally:   # finished, failed, or left early (cancelled): nothing of it stays behind
             if self.streams.get(request_id) is stream:   # (not a new request that reuses the id)
                 self.forget(request_id)
+
+    async def off_loop(self, heavy: bool, fn, *args):
+        """fn(*args): in the input thread if it is heavy (a long text to tokenize, a grammar to
+        build), else right here: handing work to a thread costs up to Python's switch interval
+        (5 ms) while the event loop is busy, which hundreds of requests at once would queue."""
+        if not heavy:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.inputs, fn, *args)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; its stream ends with an output whose unfinished

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from nanoinfer.engine.async_llm import AsyncLLM
+from nanoinfer.engine.async_llm import LONG_TEXT, AsyncLLM
 from nanoinfer.engine.llm_engine import EngineDeadError
 from nanoinfer.entrypoints.metrics import ServerMetrics
 from nanoinfer.entrypoints.protocol import (APIError, ChatCompletionRequest, Chunker,
@@ -69,6 +69,10 @@ class RequestGuard:
 
 async def merge(streams):
     """(i, item) from several async iterators, as the items come; closing it closes them all."""
+    if len(streams) == 1:   # (one prompt: as it comes, without a task per item)
+        async for item in streams[0]:
+            yield 0, item
+        return
     pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
     try:
         while pending:
@@ -107,21 +111,19 @@ class OpenAIServing:
                                 f"{self.model_name!r})", "model")
         return self.card
 
-    async def in_thread(self, where: str, fn, *args):
-        """fn(*args) in the engine's input thread, off the event loop (ValueError: a 400)."""
+    async def tokenize(self, where: str, num_chars: int, fn, *args):
+        """fn(*args), off the event loop for a long text (ValueError: a 400)."""
         if self.tokenizer is None:
             raise APIError(400, "text needs a tokenizer, and this server was started with "
                                 "--skip-tokenizer-init: send a completion's prompt as token ids",
                            where)
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.engine.inputs, fn, *args)
-        except ValueError as e:
-            raise APIError(400, str(e), where) from e
-
-    def check_length(self, num_chars: int, where: str) -> None:
         if self.max_chars is not None and num_chars > self.max_chars:
             raise APIError(400, f"{where}: {num_chars:,} characters, more tokens than this model's "
                                 f"maximum context length, {self.max_model_len}", where)
+        try:
+            return await self.engine.off_loop(num_chars > LONG_TEXT, fn, *args)
+        except ValueError as e:
+            raise APIError(400, str(e), where) from e
 
     async def completion_prompts(self, request: CompletionRequest) -> list[dict]:
         """A string, token ids, or a list of either."""
@@ -135,15 +137,15 @@ class OpenAIServing:
             if isinstance(prompt, list):
                 inputs.append({"prompt_token_ids": prompt})
                 continue
-            self.check_length(len(prompt), "prompt")
-            token_ids = await self.in_thread("prompt", self.engine.input_processor.encode, prompt)
+            encode = self.engine.input_processor.encode
+            token_ids = await self.tokenize("prompt", len(prompt), encode, prompt)
             inputs.append({"prompt": prompt, "prompt_token_ids": token_ids})
         return inputs
 
     async def chat_prompt(self, request: ChatCompletionRequest) -> list[dict]:
-        self.check_length(sum(len(str(m.get("content"))) for m in request.messages), "messages")
-        return [await self.in_thread("messages", self.engine.input_processor.chat_prompt,
-                                     request.messages)]
+        num_chars = sum(len(str(m.get("content"))) for m in request.messages)
+        return [await self.tokenize("messages", num_chars, self.engine.input_processor.chat_prompt,
+                                    request.messages)]
 
     async def generate(self, request, prompts: list[dict], chat: bool, raw: Request):
         """Each prompt a request of the engine's; the answer, or a stream of chunks."""
