@@ -102,13 +102,6 @@ def own_group(groups: list[list[int]]) -> GroupCoordinator:
     return mine
 
 
-def destroy_model_parallel() -> None:
-    global _TP, _PP
-    for group in {_TP.group, _PP.group} - {None}:
-        dist.destroy_process_group(group)
-    _TP = _PP = GroupCoordinator([0])
-
-
 def get_tp_group() -> GroupCoordinator:
     return _TP
 

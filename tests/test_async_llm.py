@@ -39,16 +39,16 @@ def test_streams_equal_the_offline_engine_over_two_cores(engine, llama_dir):
     got = asyncio.run(run())
     want = LLM(llama_dir, max_model_len=256).generate(prompts, GREEDY, use_tqdm=False)
     assert got == [o.outputs[0].token_ids for o in want]
-    assert all(stats.prefix_cache_queries > 0 for stats in engine.stats())   # both cores had requests
+    assert all(stats.prefix_cache_queries > 0 for stats in engine.client.stats)   # both cores had requests
 
 
 def wait_until_idle(engine) -> list:
     for _ in range(100):
-        stats = engine.stats()
+        stats = engine.client.stats
         if all(s.num_running == s.num_waiting == 0 and s.kv_cache_usage == 0 for s in stats):
             return stats
         time.sleep(0.05)
-    return engine.stats()
+    return engine.client.stats
 
 
 def test_a_cancelled_stream_is_aborted_and_frees_its_blocks(engine):

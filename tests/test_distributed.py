@@ -6,6 +6,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def destroy_model_parallel() -> None:
+    """Back to one rank: the model-parallel groups destroyed."""
+    from nanoinfer import distributed
+    for group in {distributed._TP.group, distributed._PP.group} - {None}:
+        dist.destroy_process_group(group)
+    distributed._TP = distributed._PP = distributed.GroupCoordinator([0])
+
+
 def worker(rank: int, init_file: str) -> None:
     from nanoinfer import distributed
     from nanoinfer.layers.linear import ColumnParallelLinear
@@ -21,7 +29,7 @@ def worker(rank: int, init_file: str) -> None:
             pp.send_next(torch.tensor([7.0, 8.0]))
         else:
             assert pp.recv_prev(torch.empty(2)).tolist() == [7.0, 8.0]
-        distributed.destroy_model_parallel()
+        destroy_model_parallel()
         distributed.init_model_parallel(2)   # one stage of two ranks
         group, pp = distributed.get_tp_group(), distributed.get_pp_group()
         assert (group.world_size, group.rank_in_group) == (2, rank)
@@ -32,7 +40,7 @@ def worker(rank: int, init_file: str) -> None:
         gathered = group.gather(torch.tensor([[rank]]))
         assert gathered.tolist() == [[0, 1]] if rank == 0 else gathered is None
         assert group.broadcast(torch.tensor([rank + 5])).item() == 5
-        distributed.destroy_model_parallel()
+        destroy_model_parallel()
     finally:
         dist.destroy_process_group()
 

@@ -128,7 +128,7 @@ class OracleProposer:
 
     def propose(self, seq: Sequence) -> list[int]:
         n, self.calls = seq.num_output_tokens, self.calls + 1
-        drafts = self.continuations[tuple(seq.prompt_token_ids)][n:n + self.k]
+        drafts = self.continuations[tuple(seq.token_ids[:seq.num_prompt_tokens])][n:n + self.k]
         if drafts and self.calls % 3 == 0:
             drafts[-1] = (drafts[-1] + 1) % VOCAB_SIZE
         return drafts

@@ -85,7 +85,7 @@ class AsyncLLM:
 
     def __init__(self, model: str, data_parallel_size: int = 1, **kwargs):
         self.config = Config(model, **kwargs)
-        self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(self.config.model)
+        self.tokenizer = load_tokenizer(self.config)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.streams: dict[str, RequestStream] = {}
@@ -178,10 +178,6 @@ class AsyncLLM:
             if request_id in self.streams:
                 self.streams[request_id].put(fresh(error))   # (one each: tracebacks of their own)
             self.forget(request_id)
-
-    def stats(self) -> list:
-        """Each core's last SchedulerStats."""
-        return list(self.client.stats)
 
     def shutdown(self) -> None:
         """Stop the core processes; requests still live get EngineDeadError."""

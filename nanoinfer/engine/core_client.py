@@ -65,7 +65,7 @@ def run_engine_core(config: Config, conn) -> None:
 
     try:
         from nanoinfer.engine.llm_engine import load_tokenizer
-        core = EngineCore(config, None if config.skip_tokenizer_init else load_tokenizer(config.model))
+        core = EngineCore(config, load_tokenizer(config))
         conn.send(("ready", None))
         while True:
             while conn.poll(0):

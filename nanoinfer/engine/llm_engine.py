@@ -40,7 +40,7 @@ class LLMEngine:
 
     def __init__(self, config: Config):
         self.config = config
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config, self.tokenizer)
@@ -112,8 +112,11 @@ class LLMEngine:
         self.engine_core.abort_all()
 
 
-def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(config: Config) -> PreTrainedTokenizerBase | None:
+    """The model's tokenizer (None with skip_tokenizer_init)."""
+    if config.skip_tokenizer_init:
+        return None
     try:
-        return AutoTokenizer.from_pretrained(model)
+        return AutoTokenizer.from_pretrained(config.model)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load a tokenizer from {model!r}: {e}") from e
+        raise ValueError(f"cannot load a tokenizer from {config.model!r}: {e}") from e

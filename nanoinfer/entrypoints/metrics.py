@@ -50,7 +50,7 @@ class EngineCollector:
     def collect(self):
         families = [(kind(name, doc, labels=LABELS), field)
                     for kind, name, doc, field in CORE_METRICS]
-        for rank, stats in enumerate(self.engine.stats()):
+        for rank, stats in enumerate(self.engine.client.stats):   # (each core's last)
             for family, field in families:
                 family.add_metric([self.model_name, str(rank)], getattr(stats, field))
         yield from (family for family, _ in families)

@@ -46,9 +46,8 @@ class MessageQueue:
         self.__dict__.update(state)
         self.shm = SharedMemory(name=state["shm"])
 
-    def as_reader(self, reader: int) -> "MessageQueue":
+    def as_reader(self, reader: int) -> None:
         self.reader = reader
-        return self
 
     def enqueue(self, obj, check: Callable[[], None]) -> None:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
