@@ -528,9 +528,13 @@ def exited(pid: int) -> bool:
         return True
 
 
-def test_sigterm_ends_a_stream_and_the_server(llama_dir):
+def test_sigterm_ends_a_stream_and_the_server(llama_dir, tmp_path):
+    """(Its start-up also says, in one line, where it serves what.)"""
     assert serve_has("--shutdown-timeout"), "python -m nanoinfer.serve has no --shutdown-timeout"
-    proc, url = start_server(llama_dir, "--shutdown-timeout", "2")
+    with open(tmp_path / "stdout", "w") as out:
+        proc, url = start_server(llama_dir, "--shutdown-timeout", "2", stdout=out)
+    ready = (tmp_path / "stdout").read_text()
+    assert f"serving 'tiny' at {url}/v1 (max_model_len=512" in ready, ready
     cores, started, result = core_pids(proc.pid), threading.Event(), {}
     assert cores
 

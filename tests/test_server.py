@@ -22,12 +22,12 @@ from nanoinfer import LLM, SamplingParams  # noqa: E402
 KEY = "secret-key"
 
 
-def start_server(model: str, *args: str) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, *args: str, stdout=None) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "nanoinfer.serve", "--model", model, "--port", str(port),
-                             "--served-model-name", "tiny", "--max-model-len", "512", *args])
+                             "--served-model-name", "tiny", "--max-model-len", "512", *args], stdout=stdout)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
