@@ -38,7 +38,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    num_generation_tokens: int = 0      # of all its samples
+    num_generation_tokens: int = 0      # of its first sample
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)   # its drafts (all samples)
 
 

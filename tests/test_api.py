@@ -309,3 +309,11 @@ def test_chat_takes_text_parts_and_names_what_it_cannot(llm):
     for bad in ("a\ud800b", [{"role": "user", "content": "a\udfffb"}]):
         with pytest.raises(ValueError, match="lone surrogate at character 1"):
             llm.generate(bad, GREEDY, use_tqdm=False) if isinstance(bad, str) else llm.chat(bad, GREEDY)
+
+
+def test_a_step_is_counted_in_the_stats_once(llm):
+    """An idle core reports its stats again: the last step's tokens must not count twice."""
+    core = llm.llm_engine.engine_core
+    llm.generate([5, 6, 7, 8, 9], SamplingParams(max_tokens=1), use_tqdm=False)
+    core.stats()
+    assert core.stats().num_step_tokens == 0

@@ -577,3 +577,74 @@ def test_sigterm_ends_a_stream_and_the_server(llama_dir, tmp_path):
             if not exited(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+# Found in review
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_bad_prompt_among_several_is_a_400_and_aborts_the_others(server, stream):
+    body = {"model": "tiny", "prompt": [[5, 6, 7], [5, 9999]], "max_tokens": 50, "ignore_eos": True,
+            "stream": stream}
+    openai_error(post(server, COMPLETIONS, body), 400, "prompt")
+    for _ in range(50):
+        if total(scrape(server), "vllm:num_requests_running", "vllm:num_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    assert total(scrape(server), "vllm:num_requests_running", "vllm:num_requests_running") == 0
+    assert_still_serves(server)
+
+
+def test_streamed_echo_gives_every_choice_the_prompts_logprobs(client, tokenizer):
+    ids = tokenizer.encode(ECHO_PROMPT)
+    kwargs = dict(model="tiny", prompt=ECHO_PROMPT, max_tokens=3, temperature=0, echo=True,
+                  logprobs=1, n=2, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs)
+    streamed = defaultdict(list)
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            streamed[c.index].append(c.logprobs)
+    for i in (0, 1):
+        tokens = [t for lp in streamed[i] for t in lp.tokens]
+        offsets = [o for lp in streamed[i] for o in lp.text_offset]
+        assert len(tokens) == len(ids) + 3 and tokens == plain.choices[i].logprobs.tokens
+        assert offsets == plain.choices[i].logprobs.text_offset   # (the same, streamed or not)
+
+
+def test_text_offsets_are_the_same_streamed_or_not(client):
+    kwargs = dict(model="tiny", prompt="Héllo 🙂 wörld", max_tokens=4, temperature=0, echo=True,
+                  logprobs=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].logprobs.text_offset
+    streamed = [o for chunk in client.completions.create(stream=True, **kwargs)
+                for c in chunk.choices for o in c.logprobs.text_offset]
+    assert streamed == plain and plain == sorted(plain)
+
+
+@pytest.mark.parametrize("route, fields, param", [
+    (COMPLETIONS, {"prompt_logprobs": 1}, "prompt_logprobs"),
+    (COMPLETIONS, {"guided_regex": "("}, "guided_regex"),
+    (COMPLETIONS, {"guided_choice": []}, "guided_choice"),
+    (COMPLETIONS, {"prompt": [5, 99999]}, "prompt"),
+    (COMPLETIONS, {"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages")])
+def test_more_fields_named_at_fault(server, route, fields, param):
+    openai_error(post(server, route, BODIES[route] | fields), 400, param)
+
+
+def test_a_message_without_content_is_empty_text(client):
+    out = client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+        {"role": "user", "content": "again"}])
+    assert out.usage.completion_tokens >= 1
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(server):
+    assert serve_has("--max-request-bytes")
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"x" * 100_000
+        yield b'", "max_tokens": 2}'
+    response = httpx.post(server + COMPLETIONS, content=chunks(), headers=HEADERS, timeout=60)
+    openai_error(response, 413)
+    assert_still_serves(server)

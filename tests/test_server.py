@@ -232,6 +232,8 @@ def test_a_killed_core_fails_its_requests_only(llama_dir):
                             ("/v1/completions", {"prompt": "text"})):   # no tokenizer: a clear 400
             response = httpx.post(url + route, json=body)
             assert response.status_code == 400 and "tokenizer" in response.json()["error"]["message"]
+        echo = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, "echo": True})
+        assert echo.status_code == 200   # (no text to echo without a tokenizer)
         body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
 
         async def one(client, started: asyncio.Event):

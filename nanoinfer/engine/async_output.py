@@ -14,6 +14,17 @@ from nanoinfer.engine.messages import LogprobsLists, ModelRunnerOutput
 from nanoinfer.layers.sampler import SamplerOutput
 
 
+def to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Copies to the host queued behind the step's kernels, and an event after them (a CUDA
+    tensor's; None on the CPU, where the copies are done at once)."""
+    copies = [t.to("cpu", non_blocking=True) for t in tensors]
+    if not tensors[0].is_cuda:
+        return copies, None
+    copied = torch.cuda.Event()
+    copied.record()
+    return copies, copied
+
+
 class AsyncModelRunnerOutput:
     """A launched step's sampled tokens on their way to the host: `get_output` waits for them."""
 
@@ -24,7 +35,7 @@ class AsyncModelRunnerOutput:
         self.seq_ids, self.sampled, self.copied = seq_ids, None, None
         self.kv_loaded: dict[int, int] | None = None   # (a KV connector's blocks, loaded in the step)
         # the step's prompt tokens' logprobs: (the layout, the rows)
-        self.prompt_logprobs: tuple[list, list[torch.Tensor] | None] | None = None
+        self.prompt_logprobs: tuple[list, tuple | None] | None = None
         self.rows_per_request = rows_per_request
         self.drafts = None if drafts is None else drafts.to("cpu", non_blocking=True)
         if sampled is not None:   # copies queued behind the step's kernels; the host goes on
@@ -59,7 +70,9 @@ class AsyncModelRunnerOutput:
         """seq_id -> (position of its first token scored, LogprobsLists of its tokens)."""
         if self.prompt_logprobs is None or self.prompt_logprobs[1] is None:
             return None
-        layout, rows = self.prompt_logprobs
+        layout, (rows, copied) = self.prompt_logprobs
+        if copied is not None:
+            copied.synchronize()
         ids, logprobs, ranks = (t.tolist() for t in rows)
         starts = itertools.accumulate([n for _, _, n in layout], initial=0)
         return {seq_id: (first, LogprobsLists(ids[k:k + n], logprobs[k:k + n], ranks[k:k + n]))

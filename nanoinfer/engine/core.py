@@ -70,7 +70,7 @@ class SchedulerStats:
     num_requests_added: int = 0     # requests received, in all
     num_aborted_seqs: int = 0       # sequences ended early: aborted, or by a stop string, in all
     num_preemptions: int = 0        # in all
-    num_step_tokens: int = 0        # tokens the last step computed
+    num_step_tokens: int = 0        # tokens the steps since the last stats computed
 
 
 class EngineCore:
@@ -150,7 +150,13 @@ class EngineCore:
                               1 - bm.num_free_blocks / bm.num_blocks, bm.num_prefix_query_tokens,
                               bm.num_prefix_hit_tokens, self.num_requests_added,
                               self.num_aborted_seqs, self.scheduler.num_preemptions,
-                              self.num_prefill_tokens + self.num_decode_tokens)
+                              self.step_tokens())
+
+    def step_tokens(self) -> int:
+        """The tokens the last step computed, counted once (an idle core reports 0)."""
+        tokens, self.num_prefill_tokens, self.num_decode_tokens = \
+            self.num_prefill_tokens + self.num_decode_tokens, 0, 0
+        return tokens
 
     def abort_all(self) -> None:
         """Abort every request. A step cut off half-way may have entered blocks in the prefix

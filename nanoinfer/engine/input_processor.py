@@ -40,7 +40,7 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
         grammar = None if params.guided_decoding is None else self.grammar(params)
-        room = self.config.max_model_len - len(token_ids)   # (max_model_len holds prompt and output)
+        room = self.config.max_model_len - len(token_ids)   # (max_model_len: prompt and output)
         max_tokens = min(params.max_tokens or room, room)
         # the samples of n > 1: seeds seed, seed + 1, ...
         children = [params if params.seed is None else dataclasses.replace(
@@ -129,9 +129,12 @@ class InputProcessor:
 
 
 def text_of(i: int, content) -> str:
-    """A message's content as text: a string, or text parts joined by newlines."""
+    """A message's content as text: a string, or text parts joined by newlines (None: empty)."""
+    if content is None or isinstance(content, str):
+        return content or ""
     if not isinstance(content, list):
-        return content
+        raise ValueError(f"message {i}: content must be a string or a list of parts, got "
+                         f"{content!r}")
     kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
     if any(k != "text" or not isinstance(p.get("text"), str) for k, p in zip(kinds, content)):
         raise ValueError(f"message {i}: content parts must be {{'type': 'text', 'text': str}} "

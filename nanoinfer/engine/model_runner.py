@@ -28,7 +28,7 @@ import torch.distributed as dist
 from nanoinfer.attention import AttentionMetadata, get_attn_backend, set_forward_context
 from nanoinfer.config import Config
 from nanoinfer.distributed import get_pp_group, get_tp_group
-from nanoinfer.engine.async_output import AsyncModelRunnerOutput
+from nanoinfer.engine.async_output import AsyncModelRunnerOutput, to_host
 from nanoinfer.engine.cuda_graph import CUDAGraphRunner
 from nanoinfer.engine.input_batch import InputBatch, StepInputs
 from nanoinfer.engine.messages import GrammarOutput, SchedulerOutput
@@ -218,7 +218,7 @@ class ModelRunner:
             layout, index, targets, num_top = step.prompt_logprobs
             rows = score_prompt_tokens(self.model.compute_logits, hidden_states, index, targets,
                                        num_top)
-            self.prompt_logprobs = layout, rows
+            self.prompt_logprobs = layout, None if rows is None else to_host(rows)
         if step.sample_seq_ids:
             self.pending = step, self.model.compute_logits(hidden_states[step.logits_indices]), hidden_states
         elif isinstance(self.drafter, EagleProposer):   # a prompt chunk: its keys and values for EAGLE too

@@ -103,8 +103,9 @@ class RequestState:
         self.output_kind, self.completions, self.seq_ids = output_kind, completions, seq_ids
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.num_cached_tokens = 0
-        # the prompt's logprobs, which come with its first tokens
+        # the prompt's logprobs, which come with its first tokens (a DELTA output brings them once)
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.prompt_logprobs_sent = False
         self.updated: set[int] = set()   # completions with news since the last output
 
     @property
@@ -117,11 +118,10 @@ class RequestState:
         delta = self.output_kind == RequestOutputKind.DELTA
         completions = [c.completion(delta) for c in self.completions if not delta or c.index in self.updated]
         self.updated.clear()
-        out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                            finished, self.num_cached_tokens, self.metrics, self.prompt_logprobs)
-        if delta:   # (a DELTA output brings them once)
-            self.prompt_logprobs = None
-        return out
+        prompt_logprobs = None if delta and self.prompt_logprobs_sent else self.prompt_logprobs
+        self.prompt_logprobs_sent |= prompt_logprobs is not None
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
+                             finished, self.num_cached_tokens, self.metrics, prompt_logprobs)
 
 
 class OutputProcessor:
@@ -177,13 +177,14 @@ class OutputProcessor:
             if out.new_token_ids:
                 state.metrics.first_token_time = state.metrics.first_token_time or now
                 state.metrics.last_token_time = now
-                state.metrics.num_generation_tokens += len(out.new_token_ids)
+                if completion.index == 0:   # (per sample: the first's)
+                    state.metrics.num_generation_tokens += len(out.new_token_ids)
             if completion.index == 0:
                 state.num_cached_tokens = out.num_cached_tokens
-                if out.prompt_logprobs is not None:
-                    num_top = completion.params.prompt_logprobs
-                    state.prompt_logprobs = [None] + [logprob_entry(row, num_top, self.tokenizer)
-                                                      for row in out.prompt_logprobs]
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:   # (any sample's)
+                num_top = completion.params.prompt_logprobs
+                state.prompt_logprobs = [None] + [logprob_entry(row, num_top, self.tokenizer)
+                                                  for row in out.prompt_logprobs]
             metrics = state.metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or out.scheduled_time
             state.updated.add(completion.index)

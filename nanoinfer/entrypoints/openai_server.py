@@ -56,39 +56,51 @@ class RequestGuard:
             status, message = 413, f"the request body is larger than {self.max_bytes:,} bytes"
         if status:
             return await JSONResponse(error_body(status, message), status)(scope, receive, send)
-        received = 0
+        received, refused = 0, False
 
-        async def limited():
-            nonlocal received
+        async def limited():   # a body without a length: counted as it comes
+            nonlocal received, refused
             message = await receive()
             received += len(message.get("body", b""))
-            too_much = self.max_bytes and received > self.max_bytes
-            return {"type": "http.disconnect"} if too_much else message
-        await self.app(scope, limited, send)
+            if self.max_bytes and received > self.max_bytes and not refused:
+                refused = True   # the 413 is ours; for the app, the client is gone
+                body = error_body(413, f"the request body is larger than {self.max_bytes:,} bytes")
+                await JSONResponse(body, 413)(scope, receive, send)
+            return {"type": "http.disconnect"} if refused else message
+
+        async def sent(message):
+            if not refused:
+                await send(message)
+        await self.app(scope, limited, sent)
 
 
 async def merge(streams):
-    """(i, item) from several async iterators, as the items come; closing it closes them all."""
+    """(i, item) from several async iterators, as the items come; an error, or closing it,
+    closes them all (a stream whose next item is on its way is closed by cancelling that)."""
     if len(streams) == 1:   # (one prompt: as it comes, without a task per item)
-        async for item in streams[0]:
-            yield 0, item
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
         return
     pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                i = pending.pop(task)
-                if isinstance(task.exception(), StopAsyncIteration):
-                    continue
-                item = task.result()   # (an error ends them all)
-                pending[asyncio.ensure_future(streams[i].__anext__())] = i
-                yield i, item
+            errors = [(task, pending.pop(task), task.exception()) for task in done]
+            for task, i, error in errors:
+                if error is not None and not isinstance(error, StopAsyncIteration):
+                    raise error   # (the first; the others were retrieved above)
+            for task, i, error in errors:
+                if error is None:
+                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                    yield i, task.result()
     finally:
         for task in pending:
             task.cancel()
-        for stream in streams:
-            await stream.aclose()
+        for i in set(range(len(streams))) - set(pending.values()):
+            await streams[i].aclose()
 
 
 class OpenAIServing:

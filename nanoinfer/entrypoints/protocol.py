@@ -8,7 +8,7 @@ fields are accepted (clients send new ones), but a known field that would change
 honoured and is not supported (`tools`, `suffix`, `best_of` > n, ...) is refused, never ignored.
 vLLM's extra fields are taken too: `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
 `repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
-`prompt_logprobs`, `guided_json` / `guided_regex` / `guided_choice`.
+`guided_json` / `guided_regex` / `guided_choice`.
 """
 import re
 import time
@@ -22,7 +22,8 @@ ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invali
 # fields we do not support, and the values of theirs that change nothing
 REFUSED = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
            "function_call": (None, "none", "auto"), "suffix": (None, ""), "guided_grammar": (None,),
-           "use_beam_search": (None, False), "audio": (None,), "modalities": (None, ["text"])}
+           "use_beam_search": (None, False), "audio": (None,), "modalities": (None, ["text"]),
+           "prompt_logprobs": (None,)}
 
 
 class SamplingFields(BaseModel):
@@ -49,7 +50,6 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    prompt_logprobs: int | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -93,6 +93,8 @@ def check_fields(request) -> None:
                        "best_of")
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+    if not isinstance((request.stream_options or {}).get("include_usage", False), bool):
+        raise APIError(400, "stream_options.include_usage must be true or false", "stream_options")
     if request.logit_bias and not all(re.fullmatch("[0-9]+", k) and -100 <= v <= 100
                                       for k, v in request.logit_bias.items()):
         raise APIError(400, "logit_bias maps token ids (integer strings) to numbers in [-100, 100],"
@@ -123,7 +125,9 @@ def guided_decoding(request) -> GuidedDecodingParams | None:
 
 def field_names(request, chat: bool) -> dict[str, str]:
     """SamplingParams' fields by the names the request gave them (the others: the same)."""
-    names = {"guided_decoding": "response_format",
+    guided = [f for f in ("guided_json", "guided_regex", "guided_choice")
+              if getattr(request, f) is not None]
+    names = {"guided_decoding": (guided or ["response_format"])[0], "prompt": where(chat),
              "logprobs": "top_logprobs" if chat else "logprobs"}
     if chat and request.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
@@ -133,10 +137,9 @@ def field_names(request, chat: bool) -> dict[str, str]:
 def sampling_params(request, prompt_lens: list[int], chat: bool, max_model_len: int
                     ) -> SamplingParams:
     check_fields(request)
-    where = "messages" if chat else "prompt"
     if max(prompt_lens) >= max_model_len:
         raise APIError(400, f"the prompt has {max(prompt_lens)} tokens; this model's maximum "
-                            f"context length is {max_model_len} (prompt and output)", where)
+                            f"context length is {max_model_len} (prompt and output)", where(chat))
     names = field_names(request, chat)
     max_tokens = request.max_completion_tokens if "max_tokens" in names else request.max_tokens
     names.setdefault("max_tokens", "max_tokens")
@@ -158,21 +161,28 @@ def sampling_params(request, prompt_lens: list[int], chat: bool, max_model_len: 
         return SamplingParams(
             **fields, max_tokens=max_tokens, stop=request.stop,
             stop_token_ids=request.stop_token_ids,
-            logprobs=logprobs, prompt_logprobs=logprobs if echo and logprobs is not None
-            else request.prompt_logprobs, guided_decoding=guided_decoding(request),
+            logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+            guided_decoding=guided_decoding(request),
             logit_bias={int(k): v for k, v in (request.logit_bias or {}).items()} or None,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
     except ValueError as e:
         raise api_error(e, names) from e
 
 
+def where(chat: bool) -> str:
+    return "messages" if chat else "prompt"
+
+
 def api_error(error: ValueError, names: dict[str, str]) -> APIError:
-    """The engine's ValueError in the API's words: "SamplingParams.x" becomes the field's name."""
+    """The engine's ValueError in the API's words: "SamplingParams.x" (GuidedDecodingParams':
+    the constraint's field) becomes the field's name; a prompt's, the prompt's."""
     message = str(error)
-    m = re.search(r"SamplingParams\.(\w+)", message)
+    m = re.search(r"(SamplingParams|GuidedDecodingParams)\.(\w+)", message)
     if m is None:
-        return APIError(400, message)
-    param = names.get(m.group(1), m.group(1))
+        about_prompt = re.match("(the |a )?prompt", message)
+        return APIError(400, message, names["prompt"] if about_prompt else None)
+    field = m.group(2) if m.group(1) == "SamplingParams" else "guided_decoding"
+    param = names.get(field, m.group(2))
     return APIError(400, message.replace(m.group(0), param), param)
 
 
@@ -186,9 +196,9 @@ class Chunker:
         self.created = int(time.time())
         self.prompts, self.top_n, self.echo, self.tokenizer = prompts, top_n, echo, tokenizer
         self.completion_tokens: dict[int, int] = {}   # per choice
-        self.offsets: dict[int, int] = {}   # per choice: the length of the text sent so far
-        # per prompt: its tokens found in the prefix cache, or loaded (kv_transfer/)
-        self.cached_tokens = [0] * len(prompts)
+        self.offsets: dict[int, int] = {}   # per choice: the length of its tokens' texts so far
+        # per prompt: its tokens found in the prefix cache, or loaded (kv_transfer/); its logprobs
+        self.cached_tokens, self.prompt_logprobs = [0] * len(prompts), [None] * len(prompts)
 
     def head(self, suffix: str = "") -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -197,18 +207,20 @@ class Chunker:
 
     def choice(self, i: int, out, c, delta: bool) -> dict:
         index, self.cached_tokens[i] = i * self.n + c.index, out.num_cached_tokens
-        first = index not in self.offsets
+        first = index not in self.completion_tokens
         self.completion_tokens[index] = self.completion_tokens.get(index, 0) + len(c.token_ids)
+        self.prompt_logprobs[i] = self.prompt_logprobs[i] or out.prompt_logprobs   # (sent once)
         text, tokens = c.text, c.logprobs
         if first and self.echo:   # the prompt first, its first token without a logprob
-            prompt = self.prompts[i].get("prompt") or self.tokenizer.decode(out.prompt_token_ids)
+            prompt = self.prompts[i].get("prompt")
+            if prompt is None:
+                prompt = self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer else ""
             text = prompt + text
             if tokens is not None:
                 first_token = {out.prompt_token_ids[0]: None}
-                tokens = [first_token] + (out.prompt_logprobs or [None])[1:] + tokens
+                tokens = [first_token] + (self.prompt_logprobs[i] or [None])[1:] + tokens
         choice = {"index": index, "logprobs": self.logprobs(tokens, index),
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        self.offsets[index] = self.offsets.get(index, 0) + len(text)
         if not self.chat:
             return choice | {"text": text}
         if delta:
@@ -237,9 +249,10 @@ class Chunker:
             return f"token_id:{t}" if text is None else text
         sampled = [next(iter(e.items())) for e in entries]
         tokens = [name(*s) for s in sampled]
-        offsets = [self.offsets.get(index, 0)]
-        for token in tokens[:-1]:
+        offsets = [self.offsets.get(index, 0)]   # (the same, streamed or not)
+        for token in tokens:
             offsets.append(offsets[-1] + len(token))
+        self.offsets[index] = offsets.pop()
         # ("reversed": of tokens with the same name, the first wins)
         top = [None if lp is None else {name(t, x): x.logprob for t, x in reversed(e.items())}
                for e, (_, lp) in zip(entries, sampled)]
