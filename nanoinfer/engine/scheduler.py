@@ -11,27 +11,26 @@ sequences. There is no separate prefill or decode phase: a sequence simply has
 2. Then waiting sequences in arrival order (FCFS), each starting from its longest cached prefix,
    while budget, sequence slots and blocks last. None are admitted in a step that preempted.
 
-The step is described to the model runner by a `SchedulerOutput` (messages.py): a sequence is
-sent whole when admitted, then only what changed. A scheduled sequence is advanced at once
-(`num_computed_tokens`), and one whose step reaches its last token gets an output placeholder:
-so the next step can be scheduled while this one still runs on the GPU (async scheduling), its
-decode reading the token this step samples. A sequence whose placeholders already reach its
-max_tokens or max_model_len is not scheduled again. `update_from_output` then appends the
-sampled tokens and applies the token-level stops (EOS, stop_token_ids, max_tokens,
-max_model_len) to each in order; a token sampled for a sequence that stopped (or was aborted)
-meanwhile is dropped.
+The step is described to the model runner by a `SchedulerOutput` (messages.py): a sequence is sent
+whole when admitted, then only what changed. A scheduled sequence is advanced at once
+(`num_computed_tokens`), and one whose step reaches its last token gets an output placeholder: so
+the next step can be scheduled while this one still runs on the GPU (async scheduling), its decode
+reading the token this step samples. A sequence whose placeholders already reach its max_tokens or
+max_model_len is not scheduled again. `update_from_output` then appends the sampled tokens and
+applies the token-level stops (EOS, stop_token_ids, max_tokens, max_model_len) to each in order; a
+token sampled for a sequence that stopped (or was aborted) meanwhile is dropped.
 
 KV connectors (kv_transfer/): a waiting request whose prompt blocks a connector has is admitted
 with blocks for them and nothing to compute; its step loads them, and it waits
 (WAITING_FOR_REMOTE_KVS) until that step's output says how many were good, which then count as
-computed. A producer's steps list the full prompt blocks they compute, to be saved. A request
-that wants its prompt's logprobs reads no cached blocks: every prompt position is computed.
-Pipeline parallelism (P stages, engine/core.py): a sequence with a step in flight is skipped, and
-a step takes at most max_num_seqs / P sequences, so that P steps in flight hold disjoint ones.
-Speculative decoding (spec_decode/): a decoding sequence's drafts are scheduled after its known
-tokens, in the same budget, trimmed so that the step cannot run past max_tokens or max_model_len.
-The step counts them as computed; `update_from_output` takes the rejected ones back off
-`num_computed_tokens` (their slots are overwritten later) before it appends the emitted tokens.
+computed. A producer's steps list the full prompt blocks they compute, to be saved. A request that
+wants its prompt's logprobs reads no cached blocks: every prompt position is computed. Pipeline
+parallelism (P stages, engine/core.py): a sequence with a step in flight is skipped, and a step
+takes at most max_num_seqs / P sequences, so that P steps in flight hold disjoint ones. Speculative
+decoding (spec_decode/): a decoding sequence's drafts are scheduled after its known tokens, in the
+same budget, trimmed so that the step cannot run past max_tokens or max_model_len. The step counts
+them as computed; `update_from_output` takes the rejected ones back off `num_computed_tokens`
+(their slots are overwritten later) before it appends the emitted tokens.
 """
 import time
 from collections import deque
@@ -81,12 +80,11 @@ class Scheduler:
         out = SchedulerOutput(finished_seq_ids=self.finished_seq_ids)
         self.finished_seq_ids = set()
         budget = self.max_num_batched_tokens
-
-        i = 0
+        i = 0   # running sequences first
         while i < len(self.running) and budget > 0 and len(out.num_scheduled_tokens) < self.max_seqs_per_step:
             seq = self.running[i]
             i += 1
-            if (self.reaches_length_limit(seq) or (self.pipelined and seq.num_output_placeholders)
+            if (seq.reaches_max_tokens or (self.pipelined and seq.num_output_placeholders)
                     or seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS):
                 continue   # a token of it is in flight (its last; or pipelined), or its KV blocks are loading
             drafts = self.drafts_that_fit(seq, budget) if seq.spec_token_ids else []
@@ -219,11 +217,6 @@ class Scheduler:
         if not self.lookahead:
             return 0
         return max(min(self.lookahead, self.max_model_len - seq.num_computed_tokens - num_new), 0)
-
-    def reaches_length_limit(self, seq: Sequence) -> bool:
-        """Do the tokens in flight already take `seq` to its max_tokens (which max_model_len
-        bounds)?"""
-        return seq.num_tokens_with_placeholders - seq.num_prompt_tokens >= seq.max_tokens
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append each sampled sequence's new tokens, applying the token-level stops to each in order."""

@@ -78,6 +78,11 @@ class Sequence:
         return len(self.token_ids) + self.num_output_placeholders
 
     @property
+    def reaches_max_tokens(self) -> bool:
+        """Do the tokens in flight already take it to max_tokens (which max_model_len bounds)?"""
+        return self.num_tokens_with_placeholders - self.num_prompt_tokens >= self.max_tokens
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 

@@ -4,8 +4,8 @@
     GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text, vLLM's names)
 
 A request's path: FastAPI parses the JSON body into a request model (a wrong type is a 400);
-the prompt is tokenized (a chat through the model's chat template) in the engine's input thread,
-off the event loop, so that a large prompt holds up no other stream; the fields become
+the prompt is tokenized (a chat through the model's chat template; a long text in the engine's
+input thread, off the event loop, so that it holds up no other stream); the fields become
 SamplingParams (a bad value is a 400 naming it) and each prompt (a completion may send a list of
 them) runs as a request of `AsyncLLM.generate`. Its RequestOutputs become chunks (streaming,
 DELTA outputs) or the final answer: choice `i * n + j` is sample j of prompt i. A client that
@@ -24,54 +24,13 @@ from starlette.exceptions import HTTPException
 
 from nanoinfer.engine.async_llm import LONG_TEXT, AsyncLLM
 from nanoinfer.engine.llm_engine import EngineDeadError
+from nanoinfer.entrypoints.http import RequestGuard, until_disconnected
 from nanoinfer.entrypoints.metrics import ServerMetrics
 from nanoinfer.entrypoints.protocol import (APIError, ChatCompletionRequest, Chunker,
                                             CompletionRequest, api_error, error_body, field_names,
                                             sampling_params)
 
 logger = logging.getLogger("nanoinfer")
-
-
-class RequestGuard:
-    """Checked before the body is read: every /v1 route needs "Authorization: Bearer KEY", and a
-    body may not pass `max_request_bytes` (a 413). A plain ASGI middleware: the app's responses
-    pass through it untouched (Starlette's @app.middleware would wrap every chunk of every
-    stream). A body sent in chunks without a length that passes the limit is cut off."""
-
-    def __init__(self, app, api_key: str | None, max_request_bytes: int | None):
-        self.app, self.max_bytes = app, max_request_bytes
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path, root = scope.get("path", ""), scope.get("root_path", "")
-        headers = dict(scope["headers"])
-        if root and path.startswith(root):   # (the route's path: under a mount or --root-path)
-            path = path[len(root):]
-        status, key = 0, headers.get(b"authorization")
-        if self.expected and path.startswith("/v1") and key != self.expected:
-            status, message = 401, "missing or wrong API key"
-        elif self.max_bytes and int(headers.get(b"content-length", b"0") or 0) > self.max_bytes:
-            status, message = 413, f"the request body is larger than {self.max_bytes:,} bytes"
-        if status:
-            return await JSONResponse(error_body(status, message), status)(scope, receive, send)
-        received, refused = 0, False
-
-        async def limited():   # a body without a length: counted as it comes
-            nonlocal received, refused
-            message = await receive()
-            received += len(message.get("body", b""))
-            if self.max_bytes and received > self.max_bytes and not refused:
-                refused = True   # the 413 is ours; for the app, the client is gone
-                body = error_body(413, f"the request body is larger than {self.max_bytes:,} bytes")
-                await JSONResponse(body, 413)(scope, receive, send)
-            return {"type": "http.disconnect"} if refused else message
-
-        async def sent(message):
-            if not refused:
-                await send(message)
-        await self.app(scope, limited, sent)
 
 
 async def merge(streams):
@@ -287,22 +246,3 @@ async def engine_errors(outputs, names: dict[str, str], request_id: str):
         raise APIError(500, f"internal error ({type(e).__name__}); see the server's log") from e
     finally:
         await outputs.aclose()   # (left early: the client went away; this aborts them)
-
-
-async def disconnected(raw: Request) -> None:
-    """Return once the client has gone away (the body was read: the next message says so)."""
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_disconnected(raw: Request, awaitable):
-    """The awaitable's result; or None, and the awaitable cancelled, if the client goes away
-    first."""
-    task, gone = asyncio.ensure_future(awaitable), asyncio.ensure_future(disconnected(raw))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:   # (also when this handler is itself cancelled)
-        gone.cancel()
-        if not task.done():
-            task.cancel()   # (this closes the request's stream: it is aborted)
-    return task.result() if task.done() and not task.cancelled() else None

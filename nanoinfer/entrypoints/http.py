@@ -1,0 +1,79 @@
+"""HTTP plumbing below the routes: the guard that checks a request before its body is read,
+and waiting for a client that may go away.
+
+`RequestGuard` is a plain ASGI middleware: every /v1 route needs "Authorization: Bearer KEY",
+and a body may not pass `max_request_bytes` (a 413, from its Content-Length; a body sent in
+chunks without one is counted as it comes). The app's responses pass through it untouched
+(Starlette's @app.middleware would wrap every chunk of every stream).
+
+`until_disconnected(raw, awaitable)`: a plain (non-streaming) request waits for its answer and
+for its client's disconnect at once; the first to come decides, and a client that left cancels
+the awaitable (which aborts its requests).
+"""
+import asyncio
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from nanoinfer.entrypoints.protocol import error_body
+
+
+class RequestGuard:
+    """Checked before the body is read: every /v1 route needs "Authorization: Bearer KEY", and a
+    body may not pass `max_request_bytes` (a 413). A plain ASGI middleware: the app's responses
+    pass through it untouched (Starlette's @app.middleware would wrap every chunk of every
+    stream). A body sent in chunks without a length that passes the limit is cut off."""
+
+    def __init__(self, app, api_key: str | None, max_request_bytes: int | None):
+        self.app, self.max_bytes = app, max_request_bytes
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        headers = dict(scope["headers"])
+        if root and path.startswith(root):   # (the route's path: under a mount or --root-path)
+            path = path[len(root):]
+        status, key = 0, headers.get(b"authorization")
+        if self.expected and path.startswith("/v1") and key != self.expected:
+            status, message = 401, "missing or wrong API key"
+        elif self.max_bytes and int(headers.get(b"content-length", b"0") or 0) > self.max_bytes:
+            status, message = 413, f"the request body is larger than {self.max_bytes:,} bytes"
+        if status:
+            return await JSONResponse(error_body(status, message), status)(scope, receive, send)
+        received, refused = 0, False
+
+        async def limited():   # a body without a length: counted as it comes
+            nonlocal received, refused
+            message = await receive()
+            received += len(message.get("body", b""))
+            if self.max_bytes and received > self.max_bytes and not refused:
+                refused = True   # the 413 is ours; for the app, the client is gone
+                body = error_body(413, f"the request body is larger than {self.max_bytes:,} bytes")
+                await JSONResponse(body, 413)(scope, receive, send)
+            return {"type": "http.disconnect"} if refused else message
+
+        async def sent(message):
+            if not refused:
+                await send(message)
+        await self.app(scope, limited, sent)
+
+
+async def disconnected(raw: Request) -> None:
+    """Return once the client has gone away (the body was read: the next message says so)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(raw: Request, awaitable):
+    """The awaitable's result; or None, and the awaitable cancelled, if the client goes away
+    first."""
+    task, gone = asyncio.ensure_future(awaitable), asyncio.ensure_future(disconnected(raw))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:   # (also when this handler is itself cancelled)
+        gone.cancel()
+        if not task.done():
+            task.cancel()   # (this closes the request's stream: it is aborted)
+    return task.result() if task.done() and not task.cancelled() else None
