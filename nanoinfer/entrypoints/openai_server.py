@@ -173,30 +173,7 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     app = FastAPI(title="nanoinfer")
     app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
     serving = OpenAIServing(engine, model_name)
-
-    def error(status: int, message: str, param: str | None = None, **kwargs) -> JSONResponse:
-        return JSONResponse(error_body(status, message, param), status, **kwargs)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError):
-        first = e.errors()[0]
-        if first["type"] == "json_invalid":
-            return error(400, f"the body is not valid JSON: {first['ctx']['error']}")
-        where = ".".join(str(part) for part in first["loc"] if part != "body")
-        param = first["loc"][1] if len(first["loc"]) > 1 else None
-        return error(400, f"{where or 'body'}: {first['msg']}", param)
-
-    @app.exception_handler(APIError)
-    async def api_error_handler(request: Request, e: APIError):
-        return error(e.status, str(e), e.param)
-
-    @app.exception_handler(HTTPException)   # an unknown route or method
-    async def http_error(request: Request, e: HTTPException):
-        return error(e.status_code, str(e.detail), headers=e.headers)
-
-    @app.exception_handler(Exception)   # a bug: still OpenAI's body (the traceback goes to the log)
-    async def internal_error(request: Request, e: Exception):
-        return error(500, f"internal error ({type(e).__name__}); see the server's log")
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health():
@@ -246,3 +223,30 @@ async def engine_errors(outputs, names: dict[str, str], request_id: str):
         raise APIError(500, f"internal error ({type(e).__name__}); see the server's log") from e
     finally:
         await outputs.aclose()   # (left early: the client went away; this aborts them)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's body."""
+    def error(status: int, message: str, param: str | None = None, **kwargs) -> JSONResponse:
+        return JSONResponse(error_body(status, message, param), status, **kwargs)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        if first["type"] == "json_invalid":
+            return error(400, f"the body is not valid JSON: {first['ctx']['error']}")
+        where = ".".join(str(part) for part in first["loc"] if part != "body")
+        param = first["loc"][1] if len(first["loc"]) > 1 else None
+        return error(400, f"{where or 'body'}: {first['msg']}", param)
+
+    @app.exception_handler(APIError)
+    async def api_error_handler(request: Request, e: APIError):
+        return error(e.status, str(e), e.param)
+
+    @app.exception_handler(HTTPException)   # an unknown route or method
+    async def http_error(request: Request, e: HTTPException):
+        return error(e.status_code, str(e.detail), headers=e.headers)
+
+    @app.exception_handler(Exception)   # a bug: still OpenAI's body (the traceback goes to the log)
+    async def internal_error(request: Request, e: Exception):
+        return error(500, f"internal error ({type(e).__name__}); see the server's log")

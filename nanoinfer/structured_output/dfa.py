@@ -175,10 +175,9 @@ def determinize(table: np.ndarray, is_final: np.ndarray, eps: dict[int, list[int
     def closure(states) -> frozenset:
         stack, seen = list(states), set(states)
         while stack:
-            for t in eps.get(stack.pop(), ()):
-                if t not in seen:
-                    seen.add(t)
-                    stack.append(t)
+            new = [t for t in eps.get(stack.pop(), ()) if t not in seen]
+            seen.update(new)
+            stack += new
         return frozenset(s for s in seen if not useless[s])
 
     sets: dict[frozenset, int] = {}   # the states that are sets of several, by their ids
@@ -216,8 +215,12 @@ def determinize(table: np.ndarray, is_final: np.ndarray, eps: dict[int, list[int
             row[several] = np.array(ids, np.int32)[which.reshape(-1)]
         rows.append(row[None])
         accepting.append(is_final[sorted(members)].any(keepdims=True))
-    table, accepting = np.concatenate(rows), np.concatenate(accepting)
-    # dead state 0, the start 1, then the states a row leads to (not the ends that links replaced)
+    return renumber(np.concatenate(rows), np.concatenate(accepting), start)
+
+
+def renumber(table: np.ndarray, accepting: np.ndarray, start: int):
+    """Dead state 0, the start 1, then the states some row leads to (the ends that links
+    replaced are left out)."""
     kept = np.bincount(table.reshape(-1), minlength=len(table)) > 0
     kept[0] = kept[start] = False
     order = np.concatenate([[0, start], np.flatnonzero(kept)])
