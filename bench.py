@@ -559,7 +559,7 @@ def main():
         args.input_len, args.output_len = 64, 8
     elif not on_gpu:
         print("No CUDA device: scaled down to 8 prompts of <= 256 tokens and <= 32 output tokens on "
-              f"{CPU_LAYERS} of the model's layers, so it ends in about a minute. CPU numbers say nothing "
+              f"{CPU_LAYERS} of the model's layers, so it ends within a minute. CPU numbers say nothing "
               "about GPU throughput.")
         args.num_seqs, args.max_input_len, args.max_output_len = 8, 256, 32
     kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
