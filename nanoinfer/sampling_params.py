@@ -55,7 +55,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None   # the log-probabilities of the sampled token and the top-N at each step
-    prompt_logprobs: int | None = None   # ... of each prompt token and the top-N, given those before
+    prompt_logprobs: int | None = None   # the same of each prompt token, given those before
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE

@@ -33,18 +33,17 @@ class AsyncModelRunnerOutput:
         """sampled: a row of tokens per request (padded with -1), and logprobs a row per sample row
         (`rows_per_request` of them per request: its drafts and one; one each by default)."""
         self.seq_ids, self.sampled, self.copied = seq_ids, None, None
-        self.kv_loaded: dict[int, int] | None = None   # (a KV connector's blocks, loaded in the step)
+        self.kv_loaded: dict[int, int] | None = None   # a KV connector's blocks, loaded in the step
         # the step's prompt tokens' logprobs: (the layout, the rows)
         self.prompt_logprobs: tuple[list, tuple | None] | None = None
         self.rows_per_request = rows_per_request
         self.drafts = None if drafts is None else drafts.to("cpu", non_blocking=True)
         if sampled is not None:   # copies queued behind the step's kernels; the host goes on
-            self.sampled = SamplerOutput(*(t if t is None else t.to("cpu", non_blocking=True)
-                                           for t in (sampled.sampled_token_ids, sampled.logprob_token_ids,
-                                                     sampled.logprobs, sampled.sampled_token_ranks)))
-            if sampled.sampled_token_ids.is_cuda:
-                self.copied = torch.cuda.Event()
-                self.copied.record()
+            fields = (sampled.sampled_token_ids, sampled.logprob_token_ids, sampled.logprobs,
+                      sampled.sampled_token_ranks)
+            copies, self.copied = to_host([t for t in fields if t is not None])
+            copies = iter(copies)
+            self.sampled = SamplerOutput(*(None if t is None else next(copies) for t in fields))
 
     def get_output(self) -> ModelRunnerOutput:
         if self.sampled is None:
@@ -58,12 +57,14 @@ class AsyncModelRunnerOutput:
                                 prompt_logprobs=self.prompt_rows())
         if self.drafts is not None:
             out.spec_token_ids = self.drafts.tolist()
-        if self.sampled.logprobs is not None:   # a request's emitted tokens are its first sample rows
-            starts = itertools.accumulate(self.rows_per_request or [1] * len(self.seq_ids), initial=0)
-            rows = [start + j for start, new in zip(starts, out.sampled_token_ids) for j in range(len(new))]
+        if self.sampled.logprobs is not None:   # a request's emitted tokens: its first sample rows
+            per_request = self.rows_per_request or [1] * len(self.seq_ids)
+            starts = itertools.accumulate(per_request, initial=0)
+            rows = [start + j for start, new in zip(starts, out.sampled_token_ids)
+                    for j in range(len(new))]
             s = self.sampled
-            ids, logprobs, ranks = s.logprob_token_ids.tolist(), s.logprobs.tolist(), s.sampled_token_ranks.tolist()
-            out.logprobs = LogprobsLists([ids[r] for r in rows], [logprobs[r] for r in rows], [ranks[r] for r in rows])
+            out.logprobs = LogprobsLists(*([t[r] for r in rows] for t in (
+                s.logprob_token_ids.tolist(), s.logprobs.tolist(), s.sampled_token_ranks.tolist())))
         return out
 
     def prompt_rows(self) -> dict | None:

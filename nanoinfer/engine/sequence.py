@@ -47,7 +47,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.max_tokens = max_tokens       # sampling_params.max_tokens, or less: what max_model_len fits
+        self.max_tokens = max_tokens       # sampling_params.max_tokens, or what max_model_len fits
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission
