@@ -204,16 +204,19 @@ class InputBatch:
             step.last_rows, step.next_token_ids = self.to_device(np.int64, cu_seqlens_q[1:] - 1, next_ids)
             width = min(-(-(int(end.max()) + self.lookahead) // bs), self.block_table.shape[1])
             (step.sample_block_tables,) = self.to_device(np.int32, self.block_table[rows[sample], :width])
-        if (self.sampling["prompt_logprobs"][rows] >= 0).any():
-            step.prompt_logprobs = self.prompt_positions(seq_ids, rows, start, end, cu_seqlens_q)
+        wanted = self.sampling["prompt_logprobs"][rows]   # (-1: not wanted)
+        if (wanted >= 0).any():
+            step.prompt_logprobs = self.prompt_positions(seq_ids, rows, start, end, cu_seqlens_q,
+                                                         wanted)
         return step
 
     def prompt_positions(self, seq_ids: list[int], rows: np.ndarray, start: np.ndarray,
-                         end: np.ndarray, cu_seqlens_q: np.ndarray) -> tuple | None:
+                         end: np.ndarray, cu_seqlens_q: np.ndarray, wanted: np.ndarray
+                         ) -> tuple | None:
         """Where the step's prompt tokens that want logprobs are predicted: the positions of the
         chunk before each (the prompt's last position predicts the output, not a prompt token)."""
         layout, index, targets = [], [], []
-        for i in np.flatnonzero(self.sampling["prompt_logprobs"][rows] >= 0):
+        for i in np.flatnonzero(wanted >= 0):
             positions = np.arange(start[i], min(end[i], self.num_prompt_tokens[rows[i]] - 1))
             if len(positions):
                 layout.append((seq_ids[i], int(start[i]) + 1, len(positions)))
@@ -221,7 +224,7 @@ class InputBatch:
                 targets.append(self.token_ids[rows[i], positions + 1])
         if not layout:
             return None
-        num_top = int(self.sampling["prompt_logprobs"][rows].max())
+        num_top = int(wanted.max())
         index, targets = self.to_device(np.int64, np.concatenate(index), np.concatenate(targets))
         return layout, index, targets, num_top
 
