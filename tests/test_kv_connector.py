@@ -1,27 +1,42 @@
 """KV connectors. Shared storage: a producer engine leaves its prompts' KV blocks in a folder, a
 consumer engine started later loads them instead of computing them, and gets exactly the tokens a
 colocated engine gets; missing blocks are computed; a truncated or corrupted block is found (by
-safetensors' size check, or the checksum) and computed again, never used. Point to point: a
-producer process sends its blocks to a consumer over gloo, with the same result."""
+safetensors' size check, or the checksum) and computed again, never used, and the next save
+replaces it; another model's blocks in the same folder are never read; a save that fails is
+counted and logged, and the producer serves on. Point to point: a producer sends its blocks to a
+consumer over gloo, with the same result, through idle periods longer than every timeout; a
+consumer that leaves or dies costs the producer nothing, and a new one pairs again; the two ends
+refuse to pair when their blocks would mean different things."""
 import glob
+import logging
 import multiprocessing as mp
 import os
+import shutil
+import signal
 import socket
 import time
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import hf_greedy, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
+from nanoinfer.kv_transfer import kv_layout, layout_id
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LENGTHS = [40, 57, 16, 5]   # full blocks: 2, 3, 0 (16 tokens: the last one is always computed), 0
 
 
-def transfer(role: str, path: str) -> dict:
+def transfer(role: str, path: str, **extra) -> dict:
     return {"kv_connector": "SharedStorageConnector", "kv_role": role,
-            "kv_connector_extra_config": {"shared_storage_path": path}}
+            "kv_connector_extra_config": {"shared_storage_path": path, **extra}}
+
+
+def p2p(role: str, port: int, **extra) -> dict:
+    return {"kv_connector": "P2pConnector", "kv_role": role,
+            "kv_connector_extra_config": {"kv_port": port, "kv_timeout": 1, **extra}}
 
 
 def run(path: str, prompts: list, params: SamplingParams, **kwargs) -> tuple[list, object]:
@@ -34,6 +49,14 @@ def run(path: str, prompts: list, params: SamplingParams, **kwargs) -> tuple[lis
         llm.shutdown()
 
 
+def greedy(path: str, prompts: list) -> list[list[int]]:
+    return [hf_greedy(path, p, 12) for p in prompts]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
 @pytest.fixture
 def stored(llama_dir, tmp_path) -> tuple[str, list]:
     """A producer's run with max_tokens=1: the prompts' full blocks are left in the folder."""
@@ -41,41 +64,107 @@ def stored(llama_dir, tmp_path) -> tuple[str, list]:
     _, producer = run(llama_dir, prompts, SamplingParams(max_tokens=1),
                       kv_transfer_config=transfer("kv_producer", str(tmp_path)))
     assert producer.num_saved_blocks == 2 + 3 + 1
-    assert len(glob.glob(str(tmp_path / "*.safetensors"))) == 6
+    assert len(glob.glob(str(tmp_path / "*" / "*.safetensors"))) == 6
     return str(tmp_path), prompts
+
+
+@pytest.fixture
+def fine_tune(llama_dir, tmp_path_factory) -> str:
+    """The same model with other weights: same config, names and shapes."""
+    path = str(tmp_path_factory.mktemp("models") / "fine-tune")
+    shutil.copytree(llama_dir, path)
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    g = torch.Generator().manual_seed(5)
+    weights = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path
 
 
 def test_a_consumer_computes_only_what_it_was_not_given(llama_dir, stored):
     folder, prompts = stored
     outputs, consumer = run(llama_dir, prompts, GREEDY, kv_transfer_config=transfer("kv_consumer", folder))
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(llama_dir, p, 12) for p in prompts]
+    assert tokens(outputs) == greedy(llama_dir, prompts)
     assert [o.num_cached_tokens for o in outputs] == [32, 48, 0, 0]   # all but the last partial block
     assert consumer.num_loaded_blocks == 5
 
 
-def test_missing_and_bad_blocks_are_computed(llama_dir, stored):
+def test_missing_and_bad_blocks_are_computed_and_saved_again(llama_dir, stored, monkeypatch):
     folder, prompts = stored
-    blocks = [[h for h in seq_hashes] for seq_hashes in block_hashes(llama_dir, prompts)]
-    os.remove(file(folder, blocks[0][1]))   # prompt 0: its second block is gone
-    with open(file(folder, blocks[1][1]), "r+b") as f:   # prompt 1: its second block cut short
+    blocks = block_hashes(prompts)
+    os.remove(file(llama_dir, folder, blocks[0][1]))   # prompt 0: its second block is gone
+    with open(file(llama_dir, folder, blocks[1][1]), "r+b") as f:   # prompt 1: its second cut short
         f.truncate(os.path.getsize(f.name) - 100)
-    with open(file(folder, blocks[1][0]), "r+b") as f:   # ... and its first corrupted
+    with open(file(llama_dir, folder, blocks[1][0]), "r+b") as f:   # ... and its first corrupted
         f.seek(-50, os.SEEK_END)
         f.write(b"\xff" * 8)
     outputs, consumer = run(llama_dir, prompts, GREEDY, kv_transfer_config=transfer("kv_consumer", folder))
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(llama_dir, p, 12) for p in prompts]
+    assert tokens(outputs) == greedy(llama_dir, prompts)
     assert [o.num_cached_tokens for o in outputs] == [16, 0, 0, 0]
     assert consumer.num_bad_blocks == 1 and consumer.num_loaded_blocks == 1   # (the truncated: never asked)
+
+    import nanoinfer.kv_transfer.shared_storage as shared_storage
+    temps = []   # the next producer writes the three again (and only those), under unique names
+    monkeypatch.setattr(shared_storage, "save_file", lambda t, name, **kw: (temps.append(name),
+                                                                            save_file(t, name, **kw)))
+    _, producer = run(llama_dir, prompts, SamplingParams(max_tokens=1),
+                      kv_transfer_config=transfer("kv_producer", folder))
+    assert producer.num_saved_blocks == 3 and len(set(temps)) == 3
+    assert all(f".{socket.gethostname()}.{os.getpid()}." in name for name in temps)
+    outputs, consumer = run(llama_dir, prompts, GREEDY, kv_transfer_config=transfer("kv_consumer", folder))
+    assert [o.num_cached_tokens for o in outputs] == [32, 48, 0, 0] and consumer.num_bad_blocks == 0
+
+
+def test_two_models_over_one_folder_never_read_each_others_blocks(llama_dir, fine_tune, stored):
+    folder, prompts = stored
+    outputs, consumer = run(fine_tune, prompts, GREEDY, kv_transfer_config=transfer("kv_both", folder))
+    assert tokens(outputs) == greedy(fine_tune, prompts)
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 0, 0] and consumer.num_loaded_blocks == 0
+    assert len(os.listdir(folder)) == 2   # a folder per layout, each saying what it holds
+    outputs, _ = run(llama_dir, prompts, GREEDY, kv_transfer_config=transfer("kv_consumer", folder))
+    assert [o.num_cached_tokens for o in outputs] == [32, 48, 0, 0]
+    assert tokens(outputs) == greedy(llama_dir, prompts)
+
+
+def test_a_failed_save_never_stops_the_producer(llama_dir, tmp_path, caplog):
+    prompts = random_prompts(LENGTHS, seed=14)
+    config = transfer("kv_producer", str(tmp_path))
+    blocked = tmp_path / layout_id(kv_layout(Config(llama_dir, device="cpu", kv_transfer_config=config)))
+    blocked.write_text("a file where the folder should be")   # (fails for root too, unlike chmod)
+    llm = LLM(llama_dir, kv_transfer_config=config)
+    try:
+        with caplog.at_level(logging.WARNING, logger="nanoinfer"):
+            outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert tokens(outputs) == greedy(llama_dir, prompts)
+        stats = llm.llm_engine.engine_core.stats().kv_connector
+        assert stats["failed_saves"] >= 6 and stats["saved_blocks"] == 0
+        assert sum("saving KV blocks" in r.message for r in caplog.records) == 1   # logged once
+        blocked.unlink()   # the folder can be made again: the next saves go through
+        llm.generate(random_prompts([33], seed=15), GREEDY, use_tqdm=False)
+        assert llm.llm_engine.engine_core.stats().kv_connector["saved_blocks"] == 2
+    finally:
+        llm.shutdown()
+
+
+def test_a_step_is_reported_once_its_blocks_are_saved(llama_dir, tmp_path):
+    """Back-pressure with room for one block at a time: every block is still saved, each before
+    its request is answered."""
+    llm = LLM(llama_dir, kv_transfer_config=transfer("kv_producer", str(tmp_path), kv_buffer_size=1))
+    try:
+        for n, prompt in enumerate(random_prompts([64, 48, 33], seed=16)):
+            llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+            assert len(glob.glob(str(tmp_path / "*" / "*.safetensors"))) == [4, 7, 9][n]
+    finally:
+        llm.shutdown()
 
 
 def test_tensor_parallel_producer_and_consumer(llama_dir, tmp_path):
     prompts = random_prompts([37, 50], seed=12)
     run(llama_dir, prompts, SamplingParams(max_tokens=1), tensor_parallel_size=2,
         kv_transfer_config=transfer("kv_producer", str(tmp_path)))
-    assert len(glob.glob(str(tmp_path / "*.r1.safetensors"))) == 2 + 3   # every rank its own heads
+    assert len(glob.glob(str(tmp_path / "*" / "*.r1.safetensors"))) == 2 + 3   # every rank its own heads
     outputs, _ = run(llama_dir, prompts, GREEDY, tensor_parallel_size=2,
                      kv_transfer_config=transfer("kv_consumer", str(tmp_path)))
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(llama_dir, p, 12) for p in prompts]
+    assert tokens(outputs) == greedy(llama_dir, prompts)
     assert [o.num_cached_tokens for o in outputs] == [32, 48]
 
 
@@ -86,47 +175,108 @@ def test_bad_transfer_configs(llama_dir, tmp_path):
                           ({"kv_role": "kv_both", "extra": 1}, "must be a dict of")]:
         with pytest.raises(ValueError, match=match):
             Config(llama_dir, kv_transfer_config=config)
+    from nanoinfer.engine.core_client import EngineCoreClient
+    with pytest.raises(ValueError, match="data_parallel_size=1"):
+        EngineCoreClient(Config(llama_dir, kv_transfer_config=p2p("kv_producer", 1)), print, 2)
 
 
-def produce(path: str, prompts: list, port: int, sent) -> None:
-    """The producer process: prefill the prompts (max_tokens=1); their blocks go to the consumer."""
-    llm = LLM(path, device="cpu", kv_transfer_config={"kv_connector": "P2pConnector", "kv_role": "kv_producer",
-                                                      "kv_connector_extra_config": {"kv_port": port}})
-    llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
-    sent.put(llm.llm_engine.model_executor.kv_connector.num_saved_blocks)
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition, seconds: float = 30) -> None:
+    for _ in range(int(seconds * 20)):
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def test_point_to_point_through_idle_links_and_consumers_that_go(llama_dir, caplog):
+    """The producer and a consumer in this process, over gloo with 1 s timeouts; a second consumer
+    in a process of its own, killed."""
+    port, prompts = free_port(), random_prompts([40, 57, 16, 5, 32, 35, 50], seed=13)
+    producer = LLM(llama_dir, kv_transfer_config=p2p("kv_producer", port))
+    consumer = LLM(llama_dir, kv_transfer_config=p2p("kv_consumer", port))
+    sender, receiver = (llm.llm_engine.model_executor.kv_connector for llm in (producer, consumer))
+    try:
+        wait_for(lambda: sender.link is not None)
+        producer.generate(prompts[:4], SamplingParams(max_tokens=1), use_tqdm=False)
+        wait_for(lambda: len(receiver.received) == 6)
+        time.sleep(2.5)   # idle: longer than every timeout of the link
+        outputs = consumer.generate(prompts[:4], GREEDY, use_tqdm=False)
+        assert tokens(outputs) == greedy(llama_dir, prompts[:4])
+        assert [o.num_cached_tokens for o in outputs] == [32, 48, 0, 0]
+        consumer.generate(prompts[5:6], SamplingParams(max_tokens=1), use_tqdm=False)   # its own
+        time.sleep(2.5)
+        producer.generate(prompts[4:6], SamplingParams(max_tokens=1), use_tqdm=False)
+        wait_for(lambda: len(receiver.received) == 4)
+        outputs = consumer.generate(prompts[4:6], GREEDY, use_tqdm=False)
+        assert tokens(outputs) == greedy(llama_dir, prompts[4:6])
+        assert [o.num_cached_tokens for o in outputs] == [16, 32]   # (prompt 5: cached already)
+        # nothing is kept that no request will load: the last full block of a 16- or 32-token
+        # prompt (its last token is computed), blocks the consumer had cached (prompt 5)
+        assert receiver.received == {} and receiver.stats()["received_bytes"] == 0
+        assert sender.num_saved_blocks == 6 + 4 and receiver.num_loaded_blocks == 5 + 1
+        consumer.shutdown()   # it leaves: the producer stops sending, and serves on
+        with caplog.at_level(logging.WARNING, logger="nanoinfer"):
+            outputs = producer.generate(prompts[6:], GREEDY, use_tqdm=False)
+            producer.generate(random_prompts([33], seed=17), SamplingParams(max_tokens=1),
+                              use_tqdm=False)
+        assert tokens(outputs) == greedy(llama_dir, prompts[6:])
+        assert sender.link is None and sender.num_unsent_blocks == 3 + 2
+        assert sum("consumer is gone" in r.message for r in caplog.records) == 1
+
+        ctx = mp.get_context("spawn")   # a consumer that pairs again, and dies
+        paired = ctx.Queue()
+        other = ctx.Process(target=consume, args=(llama_dir, port, paired))
+        other.start()
+        assert paired.get(timeout=60) == "paired"
+        wait_for(lambda: sender.link is not None)
+        producer.generate(random_prompts([48], seed=18), SamplingParams(max_tokens=1), use_tqdm=False)
+        assert sender.num_saved_blocks == 10 + 3
+        os.kill(other.pid, signal.SIGKILL)
+        other.join(30)
+        caplog.clear()
+        fresh = random_prompts([40, 20], seed=19)
+        with caplog.at_level(logging.WARNING, logger="nanoinfer"):
+            outputs = producer.generate(fresh, GREEDY, use_tqdm=False)   # (after 1 s)
+        assert tokens(outputs) == greedy(llama_dir, fresh)
+        assert sender.link is None and any("consumer is gone" in r.message for r in caplog.records)
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+
+
+def consume(path: str, port: int, paired) -> None:
+    llm = LLM(path, device="cpu", kv_transfer_config=p2p("kv_consumer", port))
+    paired.put("paired")
+    time.sleep(600)   # (until killed)
     llm.shutdown()
 
 
-def test_point_to_point_between_two_processes(llama_dir):
-    prompts = random_prompts(LENGTHS, seed=13)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    sent = ctx.Queue()
-    producer = ctx.Process(target=produce, args=(llama_dir, prompts, port, sent))
-    producer.start()
-    consumer = LLM(llama_dir, kv_transfer_config={"kv_connector": "P2pConnector", "kv_role": "kv_consumer",
-                                                  "kv_connector_extra_config": {"kv_port": port}})
+def test_point_to_point_ends_that_disagree_refuse_to_pair(llama_dir, fine_tune, caplog):
+    port = free_port()
+    producer = LLM(llama_dir, kv_transfer_config=p2p("kv_producer", port))
     try:
-        num_sent, connector = sent.get(timeout=120), consumer.llm_engine.model_executor.kv_connector
-        for _ in range(300):   # (until the receiving thread has every block)
-            if len(connector.received) == num_sent:
-                break
-            time.sleep(0.1)
-        outputs = consumer.generate(prompts, GREEDY, use_tqdm=False)
+        with caplog.at_level(logging.ERROR, logger="nanoinfer"):
+            with pytest.raises(ValueError, match="block_size: ours 32, theirs 16"):
+                LLM(llama_dir, block_size=32, kv_transfer_config=p2p("kv_consumer", port))
+            with pytest.raises(ValueError, match="model: ours"):
+                LLM(fine_tune, kv_transfer_config=p2p("kv_consumer", port))
+            wait_for(lambda: sum("refused a consumer" in r.message for r in caplog.records) == 2)
+        assert producer.llm_engine.model_executor.kv_connector.link is None
     finally:
-        consumer.shutdown()
-        producer.join(60)
-    assert num_sent == 6 and producer.exitcode == 0
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(llama_dir, p, 12) for p in prompts]
-    assert [o.num_cached_tokens for o in outputs] == [32, 48, 0, 0]
+        producer.shutdown()
 
 
-def block_hashes(path: str, prompts: list) -> list[list[int]]:
+def block_hashes(prompts: list) -> list[list[int]]:
     from nanoinfer.engine.sequence import Sequence
     return [Sequence(0, p, GREEDY, 12, 16).block_hashes for p in prompts]
 
 
-def file(folder: str, block_hash: int) -> str:
-    return os.path.join(folder, f"{block_hash:032x}.r0.safetensors")
+def file(model: str, folder: str, block_hash: int) -> str:
+    config = Config(model, device="cpu", kv_transfer_config=transfer("kv_consumer", folder))
+    return os.path.join(folder, layout_id(kv_layout(config)), f"{block_hash:032x}.r0.safetensors")

@@ -34,6 +34,7 @@ class AsyncModelRunnerOutput:
         (`rows_per_request` of them per request: its drafts and one; one each by default)."""
         self.seq_ids, self.sampled, self.copied = seq_ids, None, None
         self.kv_loaded: dict[int, int] | None = None   # a KV connector's blocks, loaded in the step
+        self.kv_saved: tuple | None = None   # (a KV connector's saver, the ticket of the step's saves)
         # the step's prompt tokens' logprobs: (the layout, the rows)
         self.prompt_logprobs: tuple[list, tuple | None] | None = None
         self.rows_per_request = rows_per_request
@@ -46,6 +47,9 @@ class AsyncModelRunnerOutput:
             self.sampled = SamplerOutput(*(None if t is None else next(copies) for t in fields))
 
     def get_output(self) -> ModelRunnerOutput:
+        if self.kv_saved is not None:   # a producer reports a step once its blocks are saved
+            saver, ticket = self.kv_saved
+            saver.wait(ticket)
         if self.sampled is None:
             return ModelRunnerOutput(kv_loaded=self.kv_loaded, prompt_logprobs=self.prompt_rows())
         if self.copied is not None:

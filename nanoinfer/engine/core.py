@@ -29,7 +29,7 @@ import atexit
 import gc
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -71,6 +71,7 @@ class SchedulerStats:
     num_aborted_seqs: int = 0       # sequences ended early: aborted, or by a stop string, in all
     num_preemptions: int = 0        # in all
     num_step_tokens: int = 0        # tokens the steps since the last stats computed
+    kv_connector: dict = field(default_factory=dict)   # its counts (kv_transfer/), by name
 
 
 class EngineCore:
@@ -150,7 +151,7 @@ class EngineCore:
                               1 - bm.num_free_blocks / bm.num_blocks, bm.num_prefix_query_tokens,
                               bm.num_prefix_hit_tokens, self.num_requests_added,
                               self.num_aborted_seqs, self.scheduler.num_preemptions,
-                              self.step_tokens())
+                              self.step_tokens(), self.kv_connector.stats() if self.kv_connector else {})
 
     def step_tokens(self) -> int:
         """The tokens the last step computed, counted once (an idle core reports 0)."""

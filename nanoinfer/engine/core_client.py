@@ -107,6 +107,9 @@ class EngineCoreClient:
 
     def __init__(self, config: Config, on_message: Callable, data_parallel_size: int = 1):
         check_int("data_parallel_size", data_parallel_size, 1)
+        if data_parallel_size > 1 and config.kv_transfer and config.kv_transfer.kv_connector == "P2pConnector":
+            raise ValueError("P2pConnector pairs one engine core with one peer over one port: it "
+                             "takes data_parallel_size=1 (SharedStorageConnector serves several)")
         ctx = mp.get_context("spawn")   # (a weak reference: the reader thread must not keep the engine alive)
         self.on_message, self.conns, self.procs = weakref.WeakMethod(on_message), [], []
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

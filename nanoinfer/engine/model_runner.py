@@ -91,6 +91,7 @@ class ModelRunner:
         self.allocate_kv_cache()
         self.kv_connector = kv_connector or make_kv_connector(config, dist.get_rank() if dist.is_initialized() else 0)
         self.kv_loaded: dict[int, int] | None = None   # the step's loaded KV blocks, for its output
+        self.kv_saved: int | None = None   # the ticket of its saved ones (kv_transfer/saver.py)
         self.prompt_logprobs = None   # (layout, rows) of the step's prompt tokens, for its output
         self.pending: tuple[StepInputs, torch.Tensor, torch.Tensor] | None = None   # executed, not sampled
         self.graph_runner = None
@@ -208,8 +209,8 @@ class ModelRunner:
         else:
             with set_forward_context(meta):
                 hidden_states = self.model(step.input_ids, step.positions, intermediate)
-        if sched.kv_saves:   # (waits for the forward)
-            self.kv_connector.save_kv(sched.kv_saves, self.kv_cache)
+        if sched.kv_saves:   # (queued behind the forward; the step's output waits for them)
+            self.kv_saved = self.kv_connector.save_kv(sched.kv_saves, self.kv_cache)
         if not self.pp_group.is_last:   # to the next stage; the last samples
             for t in hidden_states:
                 self.pp_group.send_next(t)
@@ -231,6 +232,8 @@ class ModelRunner:
         output = self.sample(grammar)
         output.kv_loaded, output.prompt_logprobs, self.kv_loaded, self.prompt_logprobs = \
             self.kv_loaded, self.prompt_logprobs, None, None
+        if self.kv_saved is not None:
+            output.kv_saved, self.kv_saved = (self.kv_connector.saver, self.kv_saved), None
         return output
 
     @torch.inference_mode()

@@ -50,8 +50,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.pipelined = config.pipeline_parallel_size > 1
         self.max_seqs_per_step = -(-config.max_num_seqs // config.pipeline_parallel_size)
-        self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_model_len = config.max_model_len
+        self.max_num_batched_tokens, self.max_model_len = config.max_num_batched_tokens, config.max_model_len
         self.eos_token_ids = config.eos_token_ids
         self.block_manager = block_manager
         self.requests: dict[int, Sequence] = {}   # every live sequence, by seq_id
@@ -214,8 +213,7 @@ class Scheduler:
         return seq.grammar.valid_drafts(drafts) if seq.grammar is not None else drafts
 
     def lookahead_of(self, seq: Sequence, num_new: int) -> int:
-        if not self.lookahead:
-            return 0
+        """EAGLE's slots past the step (0 without EAGLE)."""
         return max(min(self.lookahead, self.max_model_len - seq.num_computed_tokens - num_new), 0)
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -294,6 +292,8 @@ class Scheduler:
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_FSM):
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        if self.kv_connector is not None:   # (it may hold blocks of the request)
+            self.kv_connector.request_finished(seq.block_hashes)
         self.num_guided -= seq.grammar is not None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason

@@ -6,16 +6,20 @@ and a body may not pass `max_request_bytes` (a 413, from its Content-Length; a b
 chunks without one is counted as it comes). The app's responses pass through it untouched
 (Starlette's @app.middleware would wrap every chunk of every stream).
 
+`add_error_handlers(app)`: every error, a bad body's included, in OpenAI's error body.
+
 `until_disconnected(raw, awaitable)`: a plain (non-streaming) request waits for its answer and
 for its client's disconnect at once; the first to come decides, and a client that left cancels
 the awaitable (which aborts its requests).
 """
 import asyncio
 
-from fastapi import Request
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
-from nanoinfer.entrypoints.protocol import error_body
+from nanoinfer.entrypoints.protocol import APIError, error_body
 
 
 class RequestGuard:
@@ -77,3 +81,30 @@ async def until_disconnected(raw: Request, awaitable):
         if not task.done():
             task.cancel()   # (this closes the request's stream: it is aborted)
     return task.result() if task.done() and not task.cancelled() else None
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's body."""
+    def error(status: int, message: str, param: str | None = None, **kwargs) -> JSONResponse:
+        return JSONResponse(error_body(status, message, param), status, **kwargs)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        if first["type"] == "json_invalid":
+            return error(400, f"the body is not valid JSON: {first['ctx']['error']}")
+        where = ".".join(str(part) for part in first["loc"] if part != "body")
+        param = first["loc"][1] if len(first["loc"]) > 1 else None
+        return error(400, f"{where or 'body'}: {first['msg']}", param)
+
+    @app.exception_handler(APIError)
+    async def api_error_handler(request: Request, e: APIError):
+        return error(e.status, str(e), e.param)
+
+    @app.exception_handler(HTTPException)   # an unknown route or method
+    async def http_error(request: Request, e: HTTPException):
+        return error(e.status_code, str(e.detail), headers=e.headers)
+
+    @app.exception_handler(Exception)   # a bug: still OpenAI's body (the traceback goes to the log)
+    async def internal_error(request: Request, e: Exception):
+        return error(500, f"internal error ({type(e).__name__}); see the server's log")

@@ -7,6 +7,8 @@ served name) and `engine` (the core's data-parallel rank).
                 stop, length, abort), vllm:num_preemptions, vllm:prefix_cache_queries,
                 vllm:prefix_cache_hits, nanoinfer:aborted_seqs (sequences ended early: aborted,
                 or by a stop string)
+    gauges      nanoinfer:kv_connector_* (with a KV connector: blocks loaded, saved, bad, failed
+                to save, unsent, evicted; bytes of received blocks held)
     histograms  vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds (a request's
                 mean, once it finishes), vllm:e2e_request_latency_seconds,
                 vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds,
@@ -50,10 +52,16 @@ class EngineCollector:
     def collect(self):
         families = [(kind(name, doc, labels=LABELS), field)
                     for kind, name, doc, field in CORE_METRICS]
+        connector = {}   # a KV connector's counts (gauges, as they may restart with a core)
         for rank, stats in enumerate(self.engine.client.stats):   # (each core's last)
             for family, field in families:
                 family.add_metric([self.model_name, str(rank)], getattr(stats, field))
+            for name, value in stats.kv_connector.items():
+                connector.setdefault(name, GAUGE(f"nanoinfer:kv_connector_{name}",
+                                                 name.replace("_", " "), labels=LABELS))
+                connector[name].add_metric([self.model_name, str(rank)], value)
         yield from (family for family, _ in families)
+        yield from connector.values()
 
 
 class ServerMetrics:

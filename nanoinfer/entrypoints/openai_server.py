@@ -18,13 +18,11 @@ import logging
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException
+from fastapi.responses import Response, StreamingResponse
 
 from nanoinfer.engine.async_llm import LONG_TEXT, AsyncLLM
 from nanoinfer.engine.llm_engine import EngineDeadError
-from nanoinfer.entrypoints.http import RequestGuard, until_disconnected
+from nanoinfer.entrypoints.http import RequestGuard, add_error_handlers, until_disconnected
 from nanoinfer.entrypoints.metrics import ServerMetrics
 from nanoinfer.entrypoints.protocol import (APIError, ChatCompletionRequest, Chunker,
                                             CompletionRequest, api_error, error_body, field_names,
@@ -223,30 +221,3 @@ async def engine_errors(outputs, names: dict[str, str], request_id: str):
         raise APIError(500, f"internal error ({type(e).__name__}); see the server's log") from e
     finally:
         await outputs.aclose()   # (left early: the client went away; this aborts them)
-
-
-def add_error_handlers(app: FastAPI) -> None:
-    """Every error in OpenAI's body."""
-    def error(status: int, message: str, param: str | None = None, **kwargs) -> JSONResponse:
-        return JSONResponse(error_body(status, message, param), status, **kwargs)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError):
-        first = e.errors()[0]
-        if first["type"] == "json_invalid":
-            return error(400, f"the body is not valid JSON: {first['ctx']['error']}")
-        where = ".".join(str(part) for part in first["loc"] if part != "body")
-        param = first["loc"][1] if len(first["loc"]) > 1 else None
-        return error(400, f"{where or 'body'}: {first['msg']}", param)
-
-    @app.exception_handler(APIError)
-    async def api_error_handler(request: Request, e: APIError):
-        return error(e.status, str(e), e.param)
-
-    @app.exception_handler(HTTPException)   # an unknown route or method
-    async def http_error(request: Request, e: HTTPException):
-        return error(e.status_code, str(e.detail), headers=e.headers)
-
-    @app.exception_handler(Exception)   # a bug: still OpenAI's body (the traceback goes to the log)
-    async def internal_error(request: Request, e: Exception):
-        return error(500, f"internal error ({type(e).__name__}); see the server's log")

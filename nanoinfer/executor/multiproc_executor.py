@@ -202,6 +202,8 @@ def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue
             result = getattr(runner, method)(*args)
             if driver and method == "sample_tokens":
                 outputs.put(result)
+        if runner.kv_connector is not None:   # (a producer's queued blocks are saved first)
+            runner.kv_connector.shutdown()
         if runner.device.type == "cuda":   # the last step's collectives finish on every rank
             torch.cuda.synchronize(runner.device)
     except BaseException as e:

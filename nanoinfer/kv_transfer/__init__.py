@@ -23,9 +23,26 @@ prefixes), so a consumer finds the KV of any prefix the producer computed, whoev
 Two connectors: SharedStorageConnector (shared_storage.py: files in a folder) and P2pConnector
 (p2p.py: a prefill engine sends straight to a decode engine over torch.distributed). An engine
 of one rank has one connector object for both sides; with several ranks, every worker has its
-own and the engine core one more for the scheduler's side.
+own and the engine core one more for the scheduler's side. A producer saves off the step loop
+(saver.py): a thread writes or sends a step's blocks while the next step runs, and the step's
+output is reported once they are saved, so a request the producer has answered finds its blocks.
+
+Bytes are only meaningful to an engine that would have computed the same ones: the same model
+(weights and all, so a fine-tune does not read its base model's blocks), dtype, block size, KV
+layers (EAGLE's draft layer is one more), KV heads, head size and ranks. `kv_layout` writes all
+of that down; shared storage keeps each layout's blocks in a folder of its own, and the two ends
+of a point-to-point link compare theirs before the first block.
+
+What each connector promises under faults (an idle link, a peer gone, a full disk, a mismatch):
+docs/ARCHITECTURE.md section 14.
 """
-from nanoinfer.config import Config
+import glob
+import json
+import os
+
+import xxhash
+
+from nanoinfer.config import Config, head_dim
 
 
 def make_kv_connector(config: Config, rank: int = 0):
@@ -37,3 +54,39 @@ def make_kv_connector(config: Config, rank: int = 0):
         return P2pConnector(config, rank)
     from nanoinfer.kv_transfer.shared_storage import SharedStorageConnector
     return SharedStorageConnector(config, rank)
+
+
+def kv_layout(config: Config) -> dict:
+    """What a block's bytes are: the model, its dtype and the KV cache's shape and ranks."""
+    hf, spec = config.hf_config, config.speculative
+    eagle = spec is not None and spec.method == "eagle"
+    return {"model": model_fingerprint(config.model, config.load_format, config.seed),
+            "draft_model": model_fingerprint(spec.model) if eagle else None,
+            "dtype": str(config.torch_dtype), "block_size": config.block_size,
+            "num_layers": hf.num_hidden_layers + eagle, "num_kv_heads": hf.num_key_value_heads,
+            "head_dim": head_dim(hf), "tensor_parallel_size": config.tensor_parallel_size,
+            "pipeline_parallel_size": config.pipeline_parallel_size}
+
+
+def model_fingerprint(path: str, load_format: str = "auto", seed: int = 0) -> str:
+    """A hash of a model folder's config.json and weights: each file's header (the tensors'
+    names, shapes and offsets) and 64 KiB samples of its data (a fine-tune changes them all), so
+    it costs milliseconds even for a large model. Random weights are named by their seed."""
+    digest = xxhash.xxh64()
+    with open(os.path.join(path, "config.json"), "rb") as f:
+        digest.update(f.read())
+    if load_format == "dummy":
+        digest.update(f"dummy weights, seed {seed}".encode())
+        return digest.hexdigest()
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with open(file, "rb") as f:
+            size, header = os.path.getsize(file), f.read(8)
+            digest.update(header + f.read(int.from_bytes(header, "little")))
+            for i in range(8):
+                f.seek(size * i // 8)
+                digest.update(f.read(2**16))
+    return digest.hexdigest()
+
+
+def layout_id(layout: dict) -> str:
+    return xxhash.xxh64_hexdigest(json.dumps(layout, sort_keys=True).encode())

@@ -1,16 +1,28 @@
 """The shared-storage connector: KV blocks as files in a folder both engines can read.
 
+Blocks live in a folder per KV layout (kv_transfer/__init__.py): `{path}/{layout id}/`, with a
+`layout.json` saying what that is, so engines of different models (a base model and its
+fine-tune, say), dtypes, block sizes or ranks can share a path and never read each other's bytes.
 Each full prompt block the producer computes is written by every rank as one safetensors file,
 `{block hash}.r{rank}.safetensors`: that rank's keys and values of the block in all its layers,
-[2, layers, block_size, kv_heads, head_dim], with the block's hash and a checksum of the data in
-the file's metadata. Files are written under a temporary name and renamed when complete, so a
-reader never sees half a file from a live writer; one that is truncated anyway (a full disk, a
-crash) fails safetensors' own size check, and one whose bytes changed fails the checksum. The
-scheduler counts a block as stored when every rank's file opens; the worker loads a block only
-if its file's hash and checksum are right, so a bad block (and every one after it) is computed
-again, never used.
+[2, layers, block_size, kv_heads, head_dim], with the block's hash, the layout and a checksum of
+the data in the file's metadata.
+
+Writing is off the step loop (saver.py). A file is written under a temporary name unique to the
+host, process and write, and renamed when complete, so a reader never sees half a file from a
+live writer; one that is truncated anyway (a crash) fails safetensors' own size check, and one
+whose bytes changed fails the checksum. A block already stored whole with these very bytes is not
+written again; one stored badly is replaced. A write that fails (a full disk, a folder removed or
+read-only) is counted and logged (once, until a write succeeds again): the producer goes on, and
+a consumer computes those blocks. The scheduler counts a block as stored when every rank's file
+opens; the worker loads a block only if its file's hash, layout and checksum are right, so a bad
+block (and every one after it) is computed again, never used.
 """
+import json
+import logging
 import os
+import secrets
+import socket
 
 import torch
 import xxhash
@@ -18,20 +30,38 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nanoinfer.config import Config
+from nanoinfer.kv_transfer import kv_layout, layout_id
+from nanoinfer.kv_transfer.saver import KVSaver
+
+logger = logging.getLogger("nanoinfer")
 
 
 class SharedStorageConnector:
 
     def __init__(self, config: Config, rank: int = 0):
-        transfer = config.kv_transfer
-        self.path = transfer.extra_config["shared_storage_path"]
-        self.loads, self.saves = transfer.kv_role != "kv_producer", transfer.kv_role != "kv_consumer"
+        transfer, self.layout_dict = config.kv_transfer, kv_layout(config)
+        self.layout = layout_id(self.layout_dict)
+        self.path = os.path.join(transfer.extra_config["shared_storage_path"], self.layout)
+        self.loads, self.saves = (transfer.kv_role != r for r in ("kv_producer", "kv_consumer"))
         self.rank, self.world_size = rank, config.world_size
-        os.makedirs(self.path, exist_ok=True)
         self.num_loaded_blocks = self.num_saved_blocks = self.num_bad_blocks = 0
+        self.num_failed_saves, self.failing = 0, False
+        self.saver = None
+        if self.saves:
+            self.write_layout(self.layout_dict)
+            self.saver = KVSaver(self.write, transfer.extra_config.get("kv_buffer_size", 2**30),
+                                 "nanoinfer-kv-writer")
 
     def file(self, block_hash: int, rank: int) -> str:
         return os.path.join(self.path, f"{block_hash:032x}.r{rank}.safetensors")
+
+    def write_layout(self, layout: dict) -> None:
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            with open(os.path.join(self.path, "layout.json"), "w") as f:
+                json.dump(layout, f, indent=1)
+        except OSError as e:
+            self.failed(e)
 
     # the scheduler's side
 
@@ -48,40 +78,76 @@ class SharedStorageConnector:
                     return n
         return len(block_hashes)
 
+    def request_finished(self, block_hashes: list[int]) -> None:
+        pass   # (the files stay for the next engine)
+
     # the worker's side
 
     def load_kv(self, blocks: list[tuple[int, int]], kv_cache: torch.Tensor) -> int:
-        """Fill these (block id, hash) blocks of this rank's cache; how many, in order, were good."""
+        """Fill these (block id, hash) blocks of this rank's cache; how many, in order, were
+        good."""
         for n, (block_id, block_hash) in enumerate(blocks):
-            try:
-                with safe_open(self.file(block_hash, self.rank), "pt") as f:
-                    meta, kv = f.metadata(), f.get_tensor("kv")
-            except Exception:
-                meta, kv = {}, None
-            if (kv is None or meta.get("block_hash") != f"{block_hash:032x}" or meta.get("checksum") != checksum(kv)
-                    or kv.shape != kv_cache[:, :, block_id].shape or kv.dtype != kv_cache.dtype):
+            kv = self.read(self.file(block_hash, self.rank), f"{block_hash:032x}")
+            expected = kv_cache[:, :, block_id].shape, kv_cache.dtype
+            if kv is None or (kv.shape, kv.dtype) != expected:
                 self.num_bad_blocks += 1
                 return n
             kv_cache[:, :, block_id] = kv.to(kv_cache.device)
             self.num_loaded_blocks += 1
         return len(blocks)
 
-    def save_kv(self, blocks: list[tuple[int, int]], kv_cache: torch.Tensor) -> None:
-        """Write these (block id, hash) blocks of this rank's cache (the step's forward must have
-        run: copying them to the host waits for it), unless they are stored already."""
-        for block_id, block_hash in blocks:
-            path = self.file(block_hash, self.rank)
-            if os.path.exists(path):
-                continue
-            kv = kv_cache[:, :, block_id].contiguous().cpu()
-            temp = f"{path}.{os.getpid()}.tmp"
-            save_file({"kv": kv}, temp, metadata={"block_hash": f"{block_hash:032x}", "checksum": checksum(kv)})
-            os.replace(temp, path)
-            self.num_saved_blocks += 1
+    def read(self, path: str, block_hash: str) -> torch.Tensor | None:
+        """The block in this file, if it is whole and is what its metadata says it is."""
+        try:
+            with safe_open(path, "pt") as f:
+                meta, kv = f.metadata(), f.get_tensor("kv")
+        except Exception:
+            return None
+        good = (meta.get("block_hash"), meta.get("layout"), meta.get("checksum")) == \
+            (block_hash, self.layout, checksum(kv))
+        return kv if good else None
 
+    def save_kv(self, blocks: list[tuple[int, int]], kv_cache: torch.Tensor) -> int:
+        """Queue these (block id, hash) blocks of this rank's cache for writing; a ticket."""
+        return self.saver.put(blocks, kv_cache)
+
+    def write(self, hashes: list[int], kv: torch.Tensor) -> None:
+        """The writer thread's: each block's file, unless it is stored already."""
+        kv = kv.cpu()
+        if self.failing:   # (a folder removed since is made again)
+            self.write_layout(self.layout_dict)
+        for block_hash, block in zip(hashes, kv):
+            path, name = self.file(block_hash, self.rank), f"{block_hash:032x}"
+            stored = self.read(path, name)
+            if stored is not None and torch.equal(stored, block):
+                continue
+            temp = f"{path}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            try:
+                save_file({"kv": block}, temp, metadata={"block_hash": name, "layout": self.layout,
+                                                         "checksum": checksum(block)})
+                os.replace(temp, path)
+            except Exception as e:   # (safetensors' own errors are not OSErrors)
+                self.failed(e)
+                if os.path.exists(temp):
+                    os.remove(temp)
+                continue
+            self.num_saved_blocks += 1
+            self.failing = False
+
+    def failed(self, error: Exception) -> None:
+        self.num_failed_saves += 1
+        if not self.failing:
+            logger.warning("shared storage: saving KV blocks in %s failed (%s); the producer goes "
+                           "on, and consumers compute what is missing", self.path, error)
+        self.failing = True
+
+    def stats(self) -> dict[str, int]:
+        return {"loaded_blocks": self.num_loaded_blocks, "saved_blocks": self.num_saved_blocks,
+                "bad_blocks": self.num_bad_blocks, "failed_saves": self.num_failed_saves}
 
     def shutdown(self) -> None:
-        pass
+        if self.saver is not None:
+            self.saver.close()
 
 
 def checksum(t: torch.Tensor) -> str:
