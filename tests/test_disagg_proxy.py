@@ -113,10 +113,14 @@ def test_health_reports_both_servers(servers):
                                           ({"prompt": "hi", "suffix": "!"}, "suffix"),
                                           ({"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
                                           ({"prompt": "hi", "stream_options": {}}, "stream_options"),
-                                          ({"max_tokens": 3}, "prompt")])
+                                          ({"max_tokens": 3}, "prompt"),
+                                          ({"messages": "hi"}, "messages"),
+                                          ({"messages": [], "n": 2, "best_of": 3}, "best_of"),
+                                          ({"messages": [], "tools": [{}]}, "tools")])
 def test_a_bad_request_is_refused_before_the_prefill(servers, body, param):
     prefill = Upstream()
     proxy = servers(create_proxy(servers(prefill.app), servers(Upstream().app)))
-    answer = httpx.post(proxy + "/v1/completions", json=body)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    answer = httpx.post(proxy + path, json=body)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param
     assert prefill.seen == []

@@ -251,3 +251,22 @@ def test_killed_gpu_worker_raises_within_seconds(llama_dir):
     assert time.monotonic() - killed[0] < 10
     llm.shutdown()
     assert not any(w.is_alive() for w in workers)
+
+
+def test_shared_storage_connector_on_gpu(llama_dir, tmp_path):
+    """The saver's CUDA path: each step's blocks copied on the device behind its forward, written
+    by a thread, and saved before the step is reported; a consumer on the GPU loads them and gets
+    transformers' tokens (float32), computing only the prompts' last blocks."""
+    def transfer(role: str) -> dict:
+        return {"kv_connector": "SharedStorageConnector", "kv_role": role,
+                "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    prompts = random_prompts([40, 57, 16, 100], seed=37)
+    producer = LLM(llama_dir, dtype="float32", max_model_len=256, kv_transfer_config=transfer("kv_producer"))
+    producer.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert len(list(tmp_path.glob("*/*.safetensors"))) == 2 + 3 + 1 + 6   # (before shutdown)
+    producer.shutdown()
+    consumer = LLM(llama_dir, dtype="float32", max_model_len=256, kv_transfer_config=transfer("kv_consumer"))
+    outputs = consumer.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(llama_dir, p, GREEDY.max_tokens) for p in prompts]
+    assert [o.num_cached_tokens for o in outputs] == [32, 48, 0, 96]
+    consumer.shutdown()

@@ -36,7 +36,7 @@ def transfer(role: str, path: str, **extra) -> dict:
 
 def p2p(role: str, port: int, **extra) -> dict:
     return {"kv_connector": "P2pConnector", "kv_role": role,
-            "kv_connector_extra_config": {"kv_port": port, "kv_timeout": 1, **extra}}
+            "kv_connector_extra_config": {"kv_port": port, "kv_timeout": 2, **extra}}
 
 
 def run(path: str, prompts: list, params: SamplingParams, **kwargs) -> tuple[list, object]:
@@ -73,9 +73,9 @@ def fine_tune(llama_dir, tmp_path_factory) -> str:
     """The same model with other weights: same config, names and shapes."""
     path = str(tmp_path_factory.mktemp("models") / "fine-tune")
     shutil.copytree(llama_dir, path)
-    weights = load_file(os.path.join(path, "model.safetensors"))
-    g = torch.Generator().manual_seed(5)
-    weights = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+    weights = load_file(os.path.join(path, "model.safetensors"))   # (one tensor of one layer)
+    g, name = torch.Generator().manual_seed(5), "model.layers.1.mlp.down_proj.weight"
+    weights[name] = weights[name] + 0.05 * torch.randn(weights[name].shape, generator=g)
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
 
@@ -108,8 +108,9 @@ def test_missing_and_bad_blocks_are_computed_and_saved_again(llama_dir, stored, 
                                                                             save_file(t, name, **kw)))
     _, producer = run(llama_dir, prompts, SamplingParams(max_tokens=1),
                       kv_transfer_config=transfer("kv_producer", folder))
-    assert producer.num_saved_blocks == 3 and len(set(temps)) == 3
-    assert all(f".{socket.gethostname()}.{os.getpid()}." in name for name in temps)
+    assert producer.num_saved_blocks == 3   # (each name: the file's, the host, the pid, a random part)
+    suffixes = {name.split(".safetensors.")[1] for name in temps}
+    assert len(suffixes) == 3 and all(f"{socket.gethostname()}.{os.getpid()}." in x for x in suffixes)
     outputs, consumer = run(llama_dir, prompts, GREEDY, kv_transfer_config=transfer("kv_consumer", folder))
     assert [o.num_cached_tokens for o in outputs] == [32, 48, 0, 0] and consumer.num_bad_blocks == 0
 
@@ -123,6 +124,25 @@ def test_two_models_over_one_folder_never_read_each_others_blocks(llama_dir, fin
     outputs, _ = run(llama_dir, prompts, GREEDY, kv_transfer_config=transfer("kv_consumer", folder))
     assert [o.num_cached_tokens for o in outputs] == [32, 48, 0, 0]
     assert tokens(outputs) == greedy(llama_dir, prompts)
+    mine = file(llama_dir, folder, block_hashes(prompts)[0][0])   # a file moved between folders
+    shutil.copy(file(fine_tune, folder, block_hashes(prompts)[0][0]), mine)
+    outputs, consumer = run(llama_dir, prompts[:1], GREEDY,
+                            kv_transfer_config=transfer("kv_consumer", folder))
+    assert consumer.num_bad_blocks == 1 and outputs[0].num_cached_tokens == 0
+    assert tokens(outputs) == greedy(llama_dir, prompts[:1])
+
+
+def test_a_fingerprint_sees_one_tensor_changed(tmp_path):
+    from nanoinfer.kv_transfer import model_fingerprint
+    weights = {f"layers.{i}.weight": torch.randn(256, 256) for i in range(64)}   # 16 MiB
+    for name in ("base", "copy", "tuned"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        if name == "tuned":
+            weights["layers.41.weight"] = weights["layers.41.weight"] + 0.01
+        save_file(weights, str(tmp_path / name / "model.safetensors"))
+    base, copy, tuned = (model_fingerprint(str(tmp_path / n)) for n in ("base", "copy", "tuned"))
+    assert base == copy != tuned
 
 
 def test_a_failed_save_never_stops_the_producer(llama_dir, tmp_path, caplog):
@@ -176,8 +196,13 @@ def test_bad_transfer_configs(llama_dir, tmp_path):
         with pytest.raises(ValueError, match=match):
             Config(llama_dir, kv_transfer_config=config)
     from nanoinfer.engine.core_client import EngineCoreClient
+
+    class Front:
+        def on_message(self, *args):
+            pass
+    front = Front()
     with pytest.raises(ValueError, match="data_parallel_size=1"):
-        EngineCoreClient(Config(llama_dir, kv_transfer_config=p2p("kv_producer", 1)), print, 2)
+        EngineCoreClient(Config(llama_dir, kv_transfer_config=p2p("kv_producer", 1)), front.on_message, 2)
 
 
 def free_port() -> int:
@@ -195,7 +220,7 @@ def wait_for(condition, seconds: float = 30) -> None:
 
 
 def test_point_to_point_through_idle_links_and_consumers_that_go(llama_dir, caplog):
-    """The producer and a consumer in this process, over gloo with 1 s timeouts; a second consumer
+    """The producer and a consumer in this process, over gloo with 2 s timeouts; a second consumer
     in a process of its own, killed."""
     port, prompts = free_port(), random_prompts([40, 57, 16, 5, 32, 35, 50], seed=13)
     producer = LLM(llama_dir, kv_transfer_config=p2p("kv_producer", port))
@@ -205,12 +230,12 @@ def test_point_to_point_through_idle_links_and_consumers_that_go(llama_dir, capl
         wait_for(lambda: sender.link is not None)
         producer.generate(prompts[:4], SamplingParams(max_tokens=1), use_tqdm=False)
         wait_for(lambda: len(receiver.received) == 6)
-        time.sleep(2.5)   # idle: longer than every timeout of the link
+        time.sleep(3)   # idle: longer than every timeout of the link
         outputs = consumer.generate(prompts[:4], GREEDY, use_tqdm=False)
         assert tokens(outputs) == greedy(llama_dir, prompts[:4])
         assert [o.num_cached_tokens for o in outputs] == [32, 48, 0, 0]
         consumer.generate(prompts[5:6], SamplingParams(max_tokens=1), use_tqdm=False)   # its own
-        time.sleep(2.5)
+        time.sleep(3)
         producer.generate(prompts[4:6], SamplingParams(max_tokens=1), use_tqdm=False)
         wait_for(lambda: len(receiver.received) == 4)
         outputs = consumer.generate(prompts[4:6], GREEDY, use_tqdm=False)
@@ -242,7 +267,7 @@ def test_point_to_point_through_idle_links_and_consumers_that_go(llama_dir, capl
         caplog.clear()
         fresh = random_prompts([40, 20], seed=19)
         with caplog.at_level(logging.WARNING, logger="nanoinfer"):
-            outputs = producer.generate(fresh, GREEDY, use_tqdm=False)   # (after 1 s)
+            outputs = producer.generate(fresh, GREEDY, use_tqdm=False)   # (after 2 s)
         assert tokens(outputs) == greedy(llama_dir, fresh)
         assert sender.link is None and any("consumer is gone" in r.message for r in caplog.records)
     finally:
@@ -255,6 +280,25 @@ def consume(path: str, port: int, paired) -> None:
     paired.put("paired")
     time.sleep(600)   # (until killed)
     llm.shutdown()
+
+
+def test_point_to_point_received_blocks_are_bounded(llama_dir):
+    port, prompt = free_port(), random_prompts([57], seed=20)
+    block = Config(llama_dir, device="cpu").kv_cache_bytes_per_token * 16
+    producer = LLM(llama_dir, kv_transfer_config=p2p("kv_producer", port))
+    consumer = LLM(llama_dir, kv_transfer_config=p2p("kv_consumer", port, kv_buffer_size=2 * block))
+    receiver = consumer.llm_engine.model_executor.kv_connector
+    try:
+        wait_for(lambda: producer.llm_engine.model_executor.kv_connector.link is not None)
+        producer.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)   # 3 blocks
+        wait_for(lambda: receiver.stats()["evicted_blocks"] == 1)   # the oldest: the first
+        assert len(receiver.received) == 2 and receiver.stats()["received_bytes"] == 2 * block
+        outputs = consumer.generate(prompt, GREEDY, use_tqdm=False)
+        assert tokens(outputs) == greedy(llama_dir, prompt) and outputs[0].num_cached_tokens == 0
+        assert consumer.llm_engine.engine_core.stats().kv_connector["received_bytes"] == 0
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
 
 
 def test_point_to_point_ends_that_disagree_refuse_to_pair(llama_dir, fine_tune, caplog):

@@ -88,10 +88,10 @@ class ModelRunner:
         backend = get_attn_backend(config.attention_backend)
         for layer in self.attn_layers:
             layer.backend = backend
-        self.allocate_kv_cache()
         self.kv_connector = kv_connector or make_kv_connector(config, dist.get_rank() if dist.is_initialized() else 0)
+        self.allocate_kv_cache()
         self.kv_loaded: dict[int, int] | None = None   # the step's loaded KV blocks, for its output
-        self.kv_saved: int | None = None   # the ticket of its saved ones (kv_transfer/saver.py)
+        self.kv_saves: list[tuple[int, int]] = []   # the step's blocks to save, once sampled
         self.prompt_logprobs = None   # (layout, rows) of the step's prompt tokens, for its output
         self.pending: tuple[StepInputs, torch.Tensor, torch.Tensor] | None = None   # executed, not sampled
         self.graph_runner = None
@@ -100,6 +100,8 @@ class ModelRunner:
                 self.model, min(config.max_num_seqs, 512), -(-config.max_model_len // self.block_size),
                 hf_config.hidden_size, self.dtype, self.device, self.pp_group.is_first, self.pp_group.is_last)
             self.input_batch.max_flat_rows = self.graph_runner.batch_sizes[-1]
+        if self.kv_connector is not None:   # (a consumer receives from now: not while capturing)
+            self.kv_connector.register_kv_caches(self.kv_cache)
 
     def check_kv_cache_holds_max_model_len(self, kv_cache_bytes: float | None, bytes_per_token: int) -> int:
         """The number of KV cache blocks (from `num_kvcache_blocks`, the CPU's cache space, or
@@ -118,7 +120,7 @@ class ModelRunner:
     def allocate_kv_cache(self) -> None:
         free_bytes = None
         if self.device.type == "cuda" and self.config.num_kvcache_blocks is None:
-            free_bytes = self.profile_free_memory()
+            free_bytes = self.profile_free_memory() - getattr(self.kv_connector, "device_bytes", 0)
         num_kv_heads, head_dim = self.attn_layers[0].num_kv_heads, self.attn_layers[0].head_dim
         shape = (len(self.attn_layers), self.block_size, num_kv_heads, head_dim)
         bytes_per_token = 2 * shape[0] * num_kv_heads * head_dim * self.dtype.itemsize   # this rank's heads
@@ -209,8 +211,7 @@ class ModelRunner:
         else:
             with set_forward_context(meta):
                 hidden_states = self.model(step.input_ids, step.positions, intermediate)
-        if sched.kv_saves:   # (queued behind the forward; the step's output waits for them)
-            self.kv_saved = self.kv_connector.save_kv(sched.kv_saves, self.kv_cache)
+        self.kv_saves = sched.kv_saves
         if not self.pp_group.is_last:   # to the next stage; the last samples
             for t in hidden_states:
                 self.pp_group.send_next(t)
@@ -232,8 +233,10 @@ class ModelRunner:
         output = self.sample(grammar)
         output.kv_loaded, output.prompt_logprobs, self.kv_loaded, self.prompt_logprobs = \
             self.kv_loaded, self.prompt_logprobs, None, None
-        if self.kv_saved is not None:
-            output.kv_saved, self.kv_saved = (self.kv_connector.saver, self.kv_saved), None
+        if self.kv_saves:   # (after EAGLE's layer too; the step's output waits for them)
+            output.kv_saved = self.kv_connector.saver, self.kv_connector.save_kv(self.kv_saves,
+                                                                                 self.kv_cache)
+            self.kv_saves = []
         return output
 
     @torch.inference_mode()

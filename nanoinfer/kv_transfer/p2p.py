@@ -1,36 +1,44 @@
 """The point-to-point connector: a prefill engine sends its prompt blocks straight to a decoder.
 
 Both engines run one rank each (tensor_parallel_size = pipeline_parallel_size = 1). The producer
-serves a TCPStore at kv_connector_extra_config's "kv_ip" (default 127.0.0.1) and "kv_port"; the
-store is the link's control channel, and a process group of two ranks (NCCL between two GPUs,
-gloo on the CPU) carries the blocks.
+serves a TCPStore at kv_connector_extra_config's "kv_ip" (default 127.0.0.1) and "kv_port": the
+link's control channel. A process group of two ranks (NCCL between two GPUs, gloo on the CPU)
+carries the blocks. Every thread talks to the store over a connection of its own (a connection
+blocked in a wait holds up every other call on it), and the group has one more.
 
 - Pairing. The producer writes its KV layout (kv_transfer/__init__.py) in the store at start-up
-  and waits for consumers on a thread of its own. A consumer, at start-up, reads that layout and
-  writes its own: if they differ, it refuses to start (a ValueError naming what differs) and the
-  producer logs the refusal; else the two form a process group of their own. A restarted consumer
-  pairs again the same way (the newest consumer is the one served).
-- A transfer. After a step's forward, the producer's sender thread (saver.py) offers the step's
-  blocks under the next number (their hashes, in the store) and waits for the consumer's answer;
-  only then do the sends start, so no receive ever waits under the group's timeout: an idle
-  link, for minutes or days, is a consumer thread waiting on the store, which has no timeout.
-  The consumer keeps what arrives by hash; a request with that prefix finds the blocks there
-  (the scheduler's side) and its step copies them into the request's own blocks (the worker's).
-  A block that has not arrived yet is simply computed; one that two requests want in the same
-  step goes to the first (the other computes it).
-- Bounded. Received blocks take at most "kv_buffer_size" bytes (default 1 GiB): the oldest go
-  first. A request that finishes frees any it did not load (blocks it had cached, the last one).
-- A peer gone. A consumer that does not answer an offer within "kv_timeout" seconds (default 10),
-  that left, or whose link fails, is gone: the producer logs it once, counts the blocks it does
-  not send (`unsent_blocks`), and goes on serving until a consumer pairs again. A consumer whose
-  producer is gone logs it and computes every prompt itself; pairing with a new producer takes
-  restarting it. A link that fails mid-transfer fails after at most kv_timeout (on NCCL, the
-  watchdog may then end the process: the one case that still costs an engine).
+  and waits for consumers on a thread of its own. A consumer reads that layout at start-up: if
+  it differs from its own, it refuses to start (a ValueError naming each difference) and the
+  producer logs the refusal. Once its engine is built (not while it profiles memory or captures
+  CUDA graphs), the consumer's thread pairs: it writes its layout under the next number, and the
+  two form a process group of their own. A consumer that loses its link pairs again; so does a
+  restarted one (the newest consumer is the one served).
+- A transfer. After a step, the producer's sender thread (saver.py) offers its blocks under the
+  next number (their hashes, in the store) and waits for the consumer's answer; the consumer
+  makes room and says ready (or declines: no memory); the producer says go, and only then do the
+  sends and receives start. So no receive is ever posted before its send is on its way, and no
+  operation of the group waits under its timeout: an idle link, for minutes or days, is a
+  consumer thread waiting on the store, which has no timeout. The consumer keeps what arrives
+  by hash; a request with that prefix finds the blocks there (the scheduler's side) and its step
+  copies them into the request's own blocks (the worker's side). A block that has not arrived
+  yet is simply computed; one that two requests want in the same step goes to the first.
+- Bounded. Received blocks take at most "kv_buffer_size" bytes (default 1 GiB, taken from the KV
+  cache's share of the GPU, as the producer's queued copies are): the oldest go first. A request
+  that finishes frees those it did not load (blocks it had cached, the last one).
+- A peer gone. A consumer that does not answer an offer within "kv_timeout" seconds (default
+  10), that left, or whose link fails, is gone: the producer logs it once, counts the blocks it
+  does not send (`unsent_blocks`), and goes on serving until a consumer pairs again. A consumer
+  whose producer is gone logs it and computes every prompt itself; pairing with a new producer
+  takes restarting it. A link that fails mid-transfer fails after at most kv_timeout (on NCCL,
+  the watchdog may then end the process: the one case that still costs an engine).
+- Streams. Sends and receives run on their threads' own CUDA streams, never on the engine's, so
+  a slow peer never holds up the engine's kernels; a step's blocks count as saved once sent.
 """
 import itertools
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from datetime import timedelta
 
@@ -56,61 +64,60 @@ class P2pConnector:
         self.address = extra.get("kv_ip", "127.0.0.1"), extra["kv_port"]
         self.timeout = timedelta(seconds=extra.get("kv_timeout", 10))
         self.connect_timeout = timedelta(seconds=extra.get("kv_connect_timeout", 120))
-        self.max_bytes = extra.get("kv_buffer_size", 2**30)
-        self.device = torch.device("cpu")   # (the engine's own GPU, not a thread's default one)
-        if config.device == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device_bytes = extra.get("kv_buffer_size", 2**30)   # (beside the KV cache)
         self.backend = dist.ProcessGroupNCCL if config.device == "cuda" else dist.ProcessGroupGloo
         self.layout = kv_layout(config)
-        layout = self.layout
-        self.block_shape = (2, layout["num_layers"], config.block_size, layout["num_kv_heads"],
-                            layout["head_dim"])
-        self.dtype = config.torch_dtype
-        self.block_bytes = config.kv_cache_bytes_per_token * config.block_size
         self.received: OrderedDict[int, torch.Tensor] = OrderedDict()   # the consumer's, by hash
-        self.lock = threading.Lock()   # (received: the receiving thread adds, the step takes)
-        self.link = None   # while paired: (its store, its process group, the offers' numbers)
-        self.closed = False
+        self.lock = threading.Lock()   # (received and link: a thread changes them, the step reads)
+        self.link = None   # while paired: (its control store, its process group, offer numbers)
+        self.closed, self.next_consumer = False, 1
         self.num_loaded_blocks = self.num_saved_blocks = self.num_unsent_blocks = 0
         self.num_evicted_blocks = 0
         self.store = dist.TCPStore(*self.address, None, self.saves, self.connect_timeout,
                                    wait_for_workers=False)
         if self.saves:
-            self.store.set("layout", json.dumps(layout))
-            self.saver = KVSaver(self.send, self.max_bytes, "nanoinfer-kv-sender")
+            self.store.set("layout", json.dumps(self.layout))
+            self.saver = KVSaver(self.send, self.device_bytes, "nanoinfer-kv-sender")
             threading.Thread(target=self.listen, name="nanoinfer-kv-listener", daemon=True).start()
-        else:
-            self.pair()
-            threading.Thread(target=self.receive, name="nanoinfer-kv-receiver", daemon=True).start()
-
-    def client(self) -> dist.TCPStore:
-        """A connection of its own to the store (one blocked in a wait holds its connection)."""
-        return dist.TCPStore(*self.address, None, False, self.connect_timeout)
-
-    def pair(self) -> None:
-        """The consumer's start-up: compare layouts with the producer, then form the group."""
+            return
         theirs = json.loads(self.store.get("layout"))   # (waits for the producer)
-        number = self.store.add("consumers", 1)
-        self.store.set(f"consumer{number}", json.dumps(self.layout))
-        if theirs != self.layout:
+        if theirs != self.layout:   # (announced, so that the producer logs it too)
+            self.store.set(f"consumer{self.store.add('consumers', 1)}", json.dumps(self.layout))
             raise ValueError(f"P2pConnector: the producer at {self.address} exchanges other KV "
                              f"blocks than this engine: {differences(self.layout, theirs)}")
-        store, self.number = dist.PrefixStore(f"link{number}", self.client()), number
-        self.link = store, self.backend(store, 1, 2, self.timeout), itertools.count(1)
+
+    def client(self) -> dist.TCPStore:
+        return dist.TCPStore(*self.address, None, False, self.connect_timeout)
+
+    def open_link(self, number: int, rank: int) -> tuple:
+        """Link `number`'s control store and process group (each on a connection of its own)."""
+        group_store = dist.PrefixStore(f"link{number}/group", self.client())
+        control = dist.PrefixStore(f"link{number}", self.client())
+        return control, self.backend(group_store, rank, 2, self.timeout), itertools.count(1)
+
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        """The engine is built: a consumer starts receiving, into blocks shaped as its cache's."""
+        self.block = kv_cache[:, :, 0]   # (shape, dtype, device, size: the engine's own)
+        if self.loads:
+            threading.Thread(target=self.receive, name="nanoinfer-kv-receiver", daemon=True).start()
 
     def listen(self) -> None:
         """The producer's thread: pair with each consumer that comes."""
         store = self.client()
         for number in itertools.count(1):
+            self.next_consumer = number
             try:
                 store.wait([f"consumer{number}"], FOREVER)
+                if self.closed:
+                    return
                 theirs = json.loads(store.get(f"consumer{number}"))
                 if theirs != self.layout:
                     logger.error("P2pConnector: refused a consumer that exchanges other KV blocks: "
                                  "%s", differences(self.layout, theirs))
                     continue
-                link = dist.PrefixStore(f"link{number}", self.client())
-                self.link = link, self.backend(link, 0, 2, self.timeout), itertools.count(1)
+                link = self.open_link(number, 0)
+                with self.lock:
+                    self.link = link
                 logger.info("P2pConnector: a consumer paired")
             except RuntimeError as e:
                 if self.closed:
@@ -139,7 +146,7 @@ class P2pConnector:
                 kv = self.received.pop(block_hash, None)
             if kv is None:
                 return n
-            kv_cache[:, :, block_id] = kv.to(kv_cache.device)
+            kv_cache[:, :, block_id] = kv
             self.num_loaded_blocks += 1
         return len(blocks)
 
@@ -147,57 +154,85 @@ class P2pConnector:
         return self.saver.put(blocks, kv_cache)
 
     def send(self, hashes: list[int], kv: torch.Tensor) -> None:
-        """The sender thread's: offer the blocks, and send them once the consumer is ready."""
+        """The sender thread's: offer the blocks; send them if the consumer is ready."""
         link = self.link
         if link is None:
             self.num_unsent_blocks += len(hashes)
             return
-        store, group, numbers = link
-        if kv.is_cuda:
-            torch.cuda.set_device(kv.device)
+        control, group, numbers = link
         try:
-            if store.check(["left"]):
+            if control.check(["left"]):
                 raise ConnectionError("it shut down")
             n = next(numbers)
-            store.set(f"offer{n}", ",".join(f"{h:x}" for h in hashes))
-            store.wait([f"ready{n}"], self.timeout)
+            control.set(f"offer{n}", ",".join(f"{h:x}" for h in hashes))
+            control.wait([f"ready{n}"], self.timeout)
+            if control.get(f"ready{n}") != b"1":   # declined (no room): not a failure
+                self.num_unsent_blocks += len(hashes)
+                return
+            control.set(f"go{n}", "")
             for block in kv:
                 group.send([block], 1, 0).wait()
-            store.delete_key(f"ready{n}")
         except (RuntimeError, ConnectionError) as e:   # (a store's timeout is a RuntimeError)
-            self.link, self.num_unsent_blocks = None, self.num_unsent_blocks + len(hashes)
+            self.num_unsent_blocks += len(hashes)
+            with self.lock:
+                if self.link is not link:   # (a newer consumer paired meanwhile)
+                    return
+                self.link = None
             logger.warning("P2pConnector: the consumer is gone (%s); this engine serves on and "
                            "shares no blocks until a consumer pairs again", e)
             return
         self.num_saved_blocks += len(hashes)
 
     def receive(self) -> None:
-        """The consumer's thread: each offer's blocks, for as long as the producer is there."""
-        store, group, _ = self.link
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        for n in itertools.count(1):
+        """The consumer's thread: pair, and receive for as long as the link lasts; pair again."""
+        stream = None
+        if self.block.is_cuda:   # (this thread's device and stream: the engine's GPU, not its stream)
+            torch.cuda.set_device(self.block.device)
+            stream = torch.cuda.Stream()
+        while not self.closed:
             try:
-                store.wait([f"offer{n}"], FOREVER)
-                offer = store.get(f"offer{n}").decode()
-                if not offer:
-                    logger.info("P2pConnector: the producer stopped")
-                    return
-                hashes = [int(h, 16) for h in offer.split(",")]
-                kvs = [torch.empty(self.block_shape, dtype=self.dtype, device=self.device)
-                       for _ in hashes]
-                store.delete_key(f"offer{n}")
-                store.set(f"ready{n}", "")
-                for kv in kvs:
-                    group.recv([kv], 0, 0).wait()
-            except RuntimeError as e:
+                number = self.store.add("consumers", 1)
+                self.store.set(f"consumer{number}", json.dumps(self.layout))
+                self.number, self.link = number, self.open_link(number, 1)
+                with torch.cuda.stream(stream):
+                    if not self.receive_offers(*self.link, stream):
+                        return   # the producer stopped
+            except dist.DistNetworkError as e:   # the producer's store is gone
                 if not self.closed:
                     logger.warning("P2pConnector: the producer is gone (%s); this engine computes "
                                    "every prompt itself (restart it to pair with a new one)", e)
                 return
-            if self.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
+            except RuntimeError as e:   # a transfer failed or timed out
+                if not self.closed:
+                    logger.warning("P2pConnector: the link failed (%s): pairing again", e)
+                    time.sleep(1)
+
+    def receive_offers(self, control, group, _, stream) -> bool:
+        """Each offer's blocks, until the producer stops (False) or the link fails (raises)."""
+        for n in itertools.count(1):
+            control.wait([f"offer{n}"], FOREVER)
+            offer = control.get(f"offer{n}").decode()
+            if not offer:
+                logger.info("P2pConnector: the producer stopped")
+                return False
+            hashes = [int(h, 16) for h in offer.split(",")]
+            try:
+                kvs = [torch.empty_like(self.block) for _ in hashes]
+            except torch.OutOfMemoryError:
+                kvs = None
+            control.delete_key(f"offer{n}")
+            control.set(f"ready{n}", "1" if kvs else "0")
+            if kvs is None:
+                continue
+            control.wait([f"go{n}"], self.timeout)
+            for kv in kvs:
+                group.recv([kv], 0, 0).wait()
+            if stream is not None:   # (the engine's stream reads them next, and frees them)
+                stream.synchronize()
+                for kv in kvs:
+                    kv.record_stream(torch.cuda.default_stream())
             self.keep(hashes, kvs)
+        return True
 
     def keep(self, hashes: list[int], kvs: list[torch.Tensor]) -> None:
         """Received blocks, the oldest evicted beyond kv_buffer_size."""
@@ -205,26 +240,29 @@ class P2pConnector:
             for block_hash, kv in zip(hashes, kvs):
                 self.received[block_hash] = kv
                 self.received.move_to_end(block_hash)
-            while len(self.received) * self.block_bytes > self.max_bytes:
+            while len(self.received) * self.block.nbytes > self.device_bytes:
                 self.received.popitem(last=False)
                 self.num_evicted_blocks += 1
 
     def stats(self) -> dict[str, int]:
         return {"loaded_blocks": self.num_loaded_blocks, "saved_blocks": self.num_saved_blocks,
                 "unsent_blocks": self.num_unsent_blocks, "evicted_blocks": self.num_evicted_blocks,
-                "received_bytes": len(self.received) * self.block_bytes}
+                "received_bytes": len(self.received) * self.block.nbytes if self.loads else 0}
 
     def shutdown(self) -> None:
         self.closed = True
         try:
-            if self.saves:   # what is queued goes out; then the consumer hears that we stopped
+            if self.saves:   # what is queued goes out; the consumer hears that we stopped
                 self.saver.close()
-                if self.link is not None:
+                if self.link is not None and not self.saver.thread.is_alive():
                     self.link[0].set(f"offer{next(self.link[2])}", "")
+                self.store.set(f"consumer{self.next_consumer}", "")   # (wakes the listener)
+                self.store = None   # (frees the port)
             elif self.link is not None:   # the producer stops sending to us at once
                 dist.PrefixStore(f"link{self.number}", self.client()).set("left", "")
         except RuntimeError:   # (the peer is gone already)
             pass
+        self.link = None
 
 
 def differences(ours: dict, theirs: dict) -> str:

@@ -9,6 +9,8 @@ steps holds the step loop back only when that much is waiting (back-pressure, no
 `put` returns a ticket; the step's output waits for it (`wait`) before it is reported, so a
 request the producer has answered has its blocks saved: the consumer it is handed to finds them.
 `write` handles its own failures; one that raises anyway is logged, never the step's problem.
+On a GPU the thread copies and sends on a CUDA stream of its own, so that its work never waits
+for the engine's next step, nor the engine's kernels for it.
 """
 import logging
 import queue
@@ -53,12 +55,19 @@ class KVSaver:
             self.progress.wait_for(lambda: self.num_done >= ticket)
 
     def run(self) -> None:
+        stream = None   # on a GPU: this thread's own stream (the engine's runs the next step)
         while (item := self.queue.get()) is not None:
             hashes, kv, copied, nbytes = item
             try:
+                if copied is not None and stream is None:
+                    torch.cuda.set_device(kv.device)
+                    stream = torch.cuda.Stream()
                 if copied is not None:
                     copied.synchronize()
-                self.write(hashes, kv)
+                with torch.cuda.stream(stream):
+                    self.write(hashes, kv)
+                if stream is not None:   # (saved means written or sent, not just queued)
+                    stream.synchronize()
             except Exception:
                 logger.exception("saving %d KV blocks failed", len(hashes))
             with self.progress:

@@ -46,11 +46,11 @@ class SharedStorageConnector:
         self.rank, self.world_size = rank, config.world_size
         self.num_loaded_blocks = self.num_saved_blocks = self.num_bad_blocks = 0
         self.num_failed_saves, self.failing = 0, False
-        self.saver = None
+        self.saver, self.device_bytes = None, 0   # (copies queued on the device, at most)
         if self.saves:
             self.write_layout(self.layout_dict)
-            self.saver = KVSaver(self.write, transfer.extra_config.get("kv_buffer_size", 2**30),
-                                 "nanoinfer-kv-writer")
+            self.device_bytes = transfer.extra_config.get("kv_buffer_size", 2**30)
+            self.saver = KVSaver(self.write, self.device_bytes, "nanoinfer-kv-writer")
 
     def file(self, block_hash: int, rank: int) -> str:
         return os.path.join(self.path, f"{block_hash:032x}.r{rank}.safetensors")
@@ -62,6 +62,9 @@ class SharedStorageConnector:
                 json.dump(layout, f, indent=1)
         except OSError as e:
             self.failed(e)
+
+    def register_kv_caches(self, kv_cache) -> None:
+        pass   # (files are read and written whole)
 
     # the scheduler's side
 
