@@ -8,7 +8,9 @@ Each full prompt block the producer computes is written by every rank as one saf
 [2, layers, block_size, kv_heads, head_dim], with the block's hash, the layout and a checksum of
 the data in the file's metadata.
 
-Writing is off the step loop (saver.py). A file is written under a temporary name unique to the
+Writing is off the step loop (saver.py): a step's blocks come to the host in one copy (into
+pinned memory kept for the next step) and four threads write their files at once. A file is
+written under a temporary name unique to the
 host, process and write, and renamed when complete, so a reader never sees half a file from a
 live writer; one that is truncated anyway (a crash) fails safetensors' own size check, and one
 whose bytes changed fails the checksum. A block already stored whole with these very bytes is not
@@ -23,6 +25,7 @@ import logging
 import os
 import secrets
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import xxhash
@@ -34,6 +37,7 @@ from nanoinfer.kv_transfer import kv_layout, layout_id
 from nanoinfer.kv_transfer.saver import KVSaver
 
 logger = logging.getLogger("nanoinfer")
+STORED = object()   # a block's file is there already, whole and equal
 
 
 class SharedStorageConnector:
@@ -47,6 +51,7 @@ class SharedStorageConnector:
         self.num_loaded_blocks = self.num_saved_blocks = self.num_bad_blocks = 0
         self.num_failed_saves, self.failing = 0, False
         self.saver, self.device_bytes = None, 0   # (copies queued on the device, at most)
+        self.host, self.pool = None, ThreadPoolExecutor(4, "nanoinfer-kv-file")
         if self.saves:
             self.write_layout(self.layout_dict)
             self.device_bytes = transfer.extra_config.get("kv_buffer_size", 2**30)
@@ -115,27 +120,37 @@ class SharedStorageConnector:
         return self.saver.put(blocks, kv_cache)
 
     def write(self, hashes: list[int], kv: torch.Tensor) -> None:
-        """The writer thread's: each block's file, unless it is stored already."""
-        kv = kv.cpu()
+        """The writer thread's: each block's file, unless it is stored already. The step's blocks
+        come to the host in one copy into pinned memory kept for the next, and the files are
+        written by a few threads at once (the work is in the file system, not in Python)."""
+        if kv.is_cuda:
+            if self.host is None or len(self.host) < len(kv):
+                self.host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+            kv = self.host[:len(kv)].copy_(kv)
         if self.failing:   # (a folder removed since is made again)
             self.write_layout(self.layout_dict)
-        for block_hash, block in zip(hashes, kv):
-            path, name = self.file(block_hash, self.rank), f"{block_hash:032x}"
-            stored = self.read(path, name)
-            if stored is not None and torch.equal(stored, block):
-                continue
-            temp = f"{path}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-            try:
-                save_file({"kv": block}, temp, metadata={"block_hash": name, "layout": self.layout,
-                                                         "checksum": checksum(block)})
-                os.replace(temp, path)
-            except Exception as e:   # (safetensors' own errors are not OSErrors)
-                self.failed(e)
-                if os.path.exists(temp):
-                    os.remove(temp)
-                continue
-            self.num_saved_blocks += 1
-            self.failing = False
+        for error in self.pool.map(self.write_block, hashes, kv):
+            if error is None:
+                self.num_saved_blocks, self.failing = self.num_saved_blocks + 1, False
+            elif error is not STORED:
+                self.failed(error)
+
+    def write_block(self, block_hash: int, block: torch.Tensor) -> Exception | object | None:
+        """Write one block's file (None), unless it is there whole (STORED); or the error."""
+        path, name = self.file(block_hash, self.rank), f"{block_hash:032x}"
+        stored = self.read(path, name)
+        if stored is not None and torch.equal(stored, block):
+            return STORED
+        temp = f"{path}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            save_file({"kv": block}, temp, metadata={"block_hash": name, "layout": self.layout,
+                                                     "checksum": checksum(block)})
+            os.replace(temp, path)
+        except Exception as e:   # (safetensors' own errors are not OSErrors)
+            if os.path.exists(temp):
+                os.remove(temp)
+            return e
+        return None
 
     def failed(self, error: Exception) -> None:
         self.num_failed_saves += 1
@@ -151,6 +166,7 @@ class SharedStorageConnector:
     def shutdown(self) -> None:
         if self.saver is not None:
             self.saver.close()
+        self.pool.shutdown()
 
 
 def checksum(t: torch.Tensor) -> str:
