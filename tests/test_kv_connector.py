@@ -283,19 +283,30 @@ def consume(path: str, port: int, paired) -> None:
 
 
 def test_point_to_point_received_blocks_are_bounded(llama_dir):
-    port, prompt = free_port(), random_prompts([57], seed=20)
+    """Room for two blocks: an offer of three brings its first two; the next offer evicts them."""
+    port, prompts = free_port(), random_prompts([57, 40], seed=20)
     block = Config(llama_dir, device="cpu").kv_cache_bytes_per_token * 16
     producer = LLM(llama_dir, kv_transfer_config=p2p("kv_producer", port))
     consumer = LLM(llama_dir, kv_transfer_config=p2p("kv_consumer", port, kv_buffer_size=2 * block))
-    receiver = consumer.llm_engine.model_executor.kv_connector
+    sender, receiver = (llm.llm_engine.model_executor.kv_connector for llm in (producer, consumer))
     try:
-        wait_for(lambda: producer.llm_engine.model_executor.kv_connector.link is not None)
-        producer.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)   # 3 blocks
-        wait_for(lambda: receiver.stats()["evicted_blocks"] == 1)   # the oldest: the first
-        assert len(receiver.received) == 2 and receiver.stats()["received_bytes"] == 2 * block
-        outputs = consumer.generate(prompt, GREEDY, use_tqdm=False)
-        assert tokens(outputs) == greedy(llama_dir, prompt) and outputs[0].num_cached_tokens == 0
+        wait_for(lambda: sender.link is not None)
+        producer.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)   # 3 blocks
+        wait_for(lambda: len(receiver.received) == 2)
+        assert sender.num_unsent_blocks == 1 and receiver.stats()["received_bytes"] == 2 * block
+        producer.generate(prompts[1:], SamplingParams(max_tokens=1), use_tqdm=False)   # 2 more
+        wait_for(lambda: receiver.num_matched_blocks(block_hashes(prompts[1:])[0]) == 2)
+        assert receiver.stats()["evicted_blocks"] == 2
+        outputs = consumer.generate(prompts, GREEDY, use_tqdm=False)
+        assert tokens(outputs) == greedy(llama_dir, prompts)
+        assert [o.num_cached_tokens for o in outputs] == [0, 32]
         assert consumer.llm_engine.engine_core.stats().kv_connector["received_bytes"] == 0
+        producer.shutdown()   # the consumer's thread ends; it computes everything, and stops
+        wait_for(lambda: not receiver.receiver.is_alive() and receiver.link is None)
+        fresh = random_prompts([45], seed=21)
+        assert tokens(consumer.generate(fresh, GREEDY, use_tqdm=False)) == greedy(llama_dir, fresh)
+        consumer.shutdown()
+        assert receiver.block is None and receiver.received == {}
     finally:
         consumer.shutdown()
         producer.shutdown()

@@ -78,7 +78,8 @@ class EngineCore:
 
     def __init__(self, config: Config, tokenizer=None):
         self.config = config
-        self.kv_connector = make_kv_connector(config)   # (one rank: the worker's too; else the ranks have theirs)
+        # (one rank: the worker's connector too; else the ranks have theirs)
+        self.kv_connector = make_kv_connector(config, 0 if config.world_size == 1 else None)
         # the model runs here (one process, one device) or on model-parallel ranks (executor/)
         self.model_executor = ModelRunner(config, self.kv_connector) if config.world_size == 1 else \
             MultiprocExecutor(config)

@@ -185,14 +185,14 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request (the engine aborted them all)."""
         self.input_batch.clear()
-        self.pending = None
+        self.pending, self.kv_loaded, self.kv_saves, self.prompt_logprobs = None, None, [], None
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> None:
         """Apply the step message, launch the forward and the logits of the requests that sample,
         and return without waiting: on a GPU the host can go on while the step runs."""
         self.input_batch.update(sched)
-        self.pending = None
+        self.pending, self.kv_saves = None, sched.kv_saves
         if sched.kv_loads:   # a KV connector's blocks, every rank its own; the ranks agree on how many
             counts = torch.tensor([self.kv_connector.load_kv(blocks, self.kv_cache) for blocks in sched.kv_loads.values()],
                                   device=self.device)
@@ -211,7 +211,6 @@ class ModelRunner:
         else:
             with set_forward_context(meta):
                 hidden_states = self.model(step.input_ids, step.positions, intermediate)
-        self.kv_saves = sched.kv_saves
         if not self.pp_group.is_last:   # to the next stage; the last samples
             for t in hidden_states:
                 self.pp_group.send_next(t)

@@ -45,8 +45,9 @@ import xxhash
 from nanoinfer.config import Config, head_dim
 
 
-def make_kv_connector(config: Config, rank: int = 0):
-    """The configured connector (None if none is); `rank` is the worker's, in the world."""
+def make_kv_connector(config: Config, rank: int | None = 0):
+    """The configured connector (None if none is); `rank` is the worker's, in the world (None:
+    the engine core's, for the scheduler's side only, beside workers of their own)."""
     if config.kv_transfer is None:
         return None
     if config.kv_transfer.kv_connector == "P2pConnector":

@@ -14,17 +14,19 @@ blocked in a wait holds up every other call on it), and the group has one more.
   two form a process group of their own. A consumer that loses its link pairs again; so does a
   restarted one (the newest consumer is the one served).
 - A transfer. After a step, the producer's sender thread (saver.py) offers its blocks under the
-  next number (their hashes, in the store) and waits for the consumer's answer; the consumer
-  makes room and says ready (or declines: no memory); the producer says go, and only then do the
-  sends and receives start. So no receive is ever posted before its send is on its way, and no
+  next number (their hashes, in the store) and waits for the consumer's answer: how many of them
+  it takes (the first ones, as many as fit); the producer says go, and only then do the sends
+  and receives start. So no receive is ever posted before its send is on its way, and no
   operation of the group waits under its timeout: an idle link, for minutes or days, is a
   consumer thread waiting on the store, which has no timeout. The consumer keeps what arrives
   by hash; a request with that prefix finds the blocks there (the scheduler's side) and its step
   copies them into the request's own blocks (the worker's side). A block that has not arrived
   yet is simply computed; one that two requests want in the same step goes to the first.
 - Bounded. Received blocks take at most "kv_buffer_size" bytes (default 1 GiB, taken from the KV
-  cache's share of the GPU, as the producer's queued copies are): the oldest go first. A request
-  that finishes frees those it did not load (blocks it had cached, the last one).
+  cache's share of the GPU, as the producer's queued copies are): an offer evicts the oldest
+  first, and one larger than that brings its first blocks only (a prompt's prefix is what a
+  request can load). A request that finishes frees those it did not load (blocks it had cached,
+  the last one).
 - A peer gone. A consumer that does not answer an offer within "kv_timeout" seconds (default
   10), that left, or whose link fails, is gone: the producer logs it once, counts the blocks it
   does not send (`unsent_blocks`), and goes on serving until a consumer pairs again. A consumer
@@ -70,24 +72,21 @@ class P2pConnector:
         self.received: OrderedDict[int, torch.Tensor] = OrderedDict()   # the consumer's, by hash
         self.lock = threading.Lock()   # (received and link: a thread changes them, the step reads)
         self.link = None   # while paired: (its control store, its process group, offer numbers)
-        self.closed, self.next_consumer = False, 1
+        self.closed, self.next_consumer, self.offer = False, 1, 1
         self.num_loaded_blocks = self.num_saved_blocks = self.num_unsent_blocks = 0
         self.num_evicted_blocks = 0
-        self.store = dist.TCPStore(*self.address, None, self.saves, self.connect_timeout,
-                                   wait_for_workers=False)
-        if self.saves:
-            self.store.set("layout", json.dumps(self.layout))
-            self.saver = KVSaver(self.send, self.device_bytes, "nanoinfer-kv-sender")
-            threading.Thread(target=self.listen, name="nanoinfer-kv-listener", daemon=True).start()
+        self.store = self.saver = self.receiver = None
+        if self.saves:   # (the port is taken once the engine is built: register_kv_caches)
             return
+        self.store = dist.TCPStore(*self.address, None, False, self.connect_timeout)
         theirs = json.loads(self.store.get("layout"))   # (waits for the producer)
         if theirs != self.layout:   # (announced, so that the producer logs it too)
             self.store.set(f"consumer{self.store.add('consumers', 1)}", json.dumps(self.layout))
             raise ValueError(f"P2pConnector: the producer at {self.address} exchanges other KV "
                              f"blocks than this engine: {differences(self.layout, theirs)}")
 
-    def client(self) -> dist.TCPStore:
-        return dist.TCPStore(*self.address, None, False, self.connect_timeout)
+    def client(self, timeout: timedelta | None = None) -> dist.TCPStore:
+        return dist.TCPStore(*self.address, None, False, timeout or self.connect_timeout)
 
     def open_link(self, number: int, rank: int) -> tuple:
         """Link `number`'s control store and process group (each on a connection of its own)."""
@@ -96,10 +95,19 @@ class P2pConnector:
         return control, self.backend(group_store, rank, 2, self.timeout), itertools.count(1)
 
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
-        """The engine is built: a consumer starts receiving, into blocks shaped as its cache's."""
+        """The engine is built: the producer opens its store, the consumer starts receiving
+        (into blocks shaped as its cache's)."""
         self.block = kv_cache[:, :, 0]   # (shape, dtype, device, size: the engine's own)
         if self.loads:
-            threading.Thread(target=self.receive, name="nanoinfer-kv-receiver", daemon=True).start()
+            self.receiver = threading.Thread(target=self.receive, name="nanoinfer-kv-receiver",
+                                             daemon=True)
+            self.receiver.start()
+            return
+        self.store = dist.TCPStore(*self.address, None, True, self.connect_timeout,
+                                   wait_for_workers=False)
+        self.store.set("layout", json.dumps(self.layout))
+        self.saver = KVSaver(self.send, self.device_bytes, "nanoinfer-kv-sender")
+        threading.Thread(target=self.listen, name="nanoinfer-kv-listener", daemon=True).start()
 
     def listen(self) -> None:
         """The producer's thread: pair with each consumer that comes."""
@@ -166,11 +174,13 @@ class P2pConnector:
             n = next(numbers)
             control.set(f"offer{n}", ",".join(f"{h:x}" for h in hashes))
             control.wait([f"ready{n}"], self.timeout)
-            if control.get(f"ready{n}") != b"1":   # declined (no room): not a failure
-                self.num_unsent_blocks += len(hashes)
+            accepted = int(control.get(f"ready{n}"))   # (the first ones, as many as fit there)
+            control.delete_key(f"ready{n}")
+            self.num_unsent_blocks += len(hashes) - accepted
+            if not accepted:   # (no room: not a failure)
                 return
             control.set(f"go{n}", "")
-            for block in kv:
+            for block in kv[:accepted]:
                 group.send([block], 1, 0).wait()
         except (RuntimeError, ConnectionError) as e:   # (a store's timeout is a RuntimeError)
             self.num_unsent_blocks += len(hashes)
@@ -181,12 +191,12 @@ class P2pConnector:
             logger.warning("P2pConnector: the consumer is gone (%s); this engine serves on and "
                            "shares no blocks until a consumer pairs again", e)
             return
-        self.num_saved_blocks += len(hashes)
+        self.num_saved_blocks += accepted
 
     def receive(self) -> None:
         """The consumer's thread: pair, and receive for as long as the link lasts; pair again."""
         stream = None
-        if self.block.is_cuda:   # (this thread's device and stream: the engine's GPU, not its stream)
+        if self.block.is_cuda:   # (the engine's GPU, and a stream of this thread's own)
             torch.cuda.set_device(self.block.device)
             stream = torch.cuda.Stream()
         while not self.closed:
@@ -196,73 +206,84 @@ class P2pConnector:
                 self.number, self.link = number, self.open_link(number, 1)
                 with torch.cuda.stream(stream):
                     if not self.receive_offers(*self.link, stream):
-                        return   # the producer stopped
+                        break   # the producer stopped, or this engine
             except dist.DistNetworkError as e:   # the producer's store is gone
                 if not self.closed:
                     logger.warning("P2pConnector: the producer is gone (%s); this engine computes "
                                    "every prompt itself (restart it to pair with a new one)", e)
-                return
+                break
             except RuntimeError as e:   # a transfer failed or timed out
                 if not self.closed:
                     logger.warning("P2pConnector: the link failed (%s): pairing again", e)
                     time.sleep(1)
+        self.link = None
 
     def receive_offers(self, control, group, _, stream) -> bool:
         """Each offer's blocks, until the producer stops (False) or the link fails (raises)."""
         for n in itertools.count(1):
+            self.offer = n
             control.wait([f"offer{n}"], FOREVER)
             offer = control.get(f"offer{n}").decode()
             if not offer:
-                logger.info("P2pConnector: the producer stopped")
+                if not self.closed:
+                    logger.info("P2pConnector: the producer stopped")
                 return False
             hashes = [int(h, 16) for h in offer.split(",")]
+            hashes = hashes[:self.make_room(len(hashes))]
             try:
                 kvs = [torch.empty_like(self.block) for _ in hashes]
             except torch.OutOfMemoryError:
-                kvs = None
+                kvs = []
             control.delete_key(f"offer{n}")
-            control.set(f"ready{n}", "1" if kvs else "0")
-            if kvs is None:
+            control.set(f"ready{n}", str(len(kvs)))
+            if not kvs:
                 continue
             control.wait([f"go{n}"], self.timeout)
+            control.delete_key(f"go{n}")
             for kv in kvs:
                 group.recv([kv], 0, 0).wait()
             if stream is not None:   # (the engine's stream reads them next, and frees them)
                 stream.synchronize()
                 for kv in kvs:
                     kv.record_stream(torch.cuda.default_stream())
-            self.keep(hashes, kvs)
+            with self.lock:
+                for block_hash, kv in zip(hashes, kvs):
+                    self.received[block_hash] = kv
         return True
 
-    def keep(self, hashes: list[int], kvs: list[torch.Tensor]) -> None:
-        """Received blocks, the oldest evicted beyond kv_buffer_size."""
+    def make_room(self, wanted: int) -> int:
+        """Evict the oldest blocks kept until `wanted` more fit in kv_buffer_size (or as many as
+        fit in all of it: the first ones of an offer, a prefix, are the useful ones)."""
+        wanted = min(wanted, self.device_bytes // self.block.nbytes)
         with self.lock:
-            for block_hash, kv in zip(hashes, kvs):
-                self.received[block_hash] = kv
-                self.received.move_to_end(block_hash)
-            while len(self.received) * self.block.nbytes > self.device_bytes:
+            while len(self.received) > self.device_bytes // self.block.nbytes - wanted:
                 self.received.popitem(last=False)
                 self.num_evicted_blocks += 1
+        return wanted
 
     def stats(self) -> dict[str, int]:
         return {"loaded_blocks": self.num_loaded_blocks, "saved_blocks": self.num_saved_blocks,
                 "unsent_blocks": self.num_unsent_blocks, "evicted_blocks": self.num_evicted_blocks,
-                "received_bytes": len(self.received) * self.block.nbytes if self.loads else 0}
+                "received_bytes": sum(kv.nbytes for kv in list(self.received.values()))}
 
     def shutdown(self) -> None:
         self.closed = True
         try:
-            if self.saves:   # what is queued goes out; the consumer hears that we stopped
+            if self.saver is not None:   # what is queued goes out; the consumer hears we stopped
                 self.saver.close()
                 if self.link is not None and not self.saver.thread.is_alive():
                     self.link[0].set(f"offer{next(self.link[2])}", "")
                 self.store.set(f"consumer{self.next_consumer}", "")   # (wakes the listener)
-                self.store = None   # (frees the port)
-            elif self.link is not None:   # the producer stops sending to us at once
-                dist.PrefixStore(f"link{self.number}", self.client()).set("left", "")
+            elif self.link is not None:   # the producer stops sending; our thread wakes up
+                link = dist.PrefixStore(f"link{self.number}", self.client(timedelta(seconds=2)))
+                link.set("left", "")
+                link.set(f"offer{self.offer}", "")
         except RuntimeError:   # (the peer is gone already)
             pass
-        self.link = None
+        if self.receiver is not None:
+            self.receiver.join(5)
+        self.link = self.store = self.block = None   # (the port, the KV cache: freed)
+        self.received.clear()
 
 
 def differences(ours: dict, theirs: dict) -> str:

@@ -46,9 +46,9 @@ class KVSaver:
         if kv.is_cuda:
             copied = torch.cuda.Event()
             copied.record()
-        self.num_put, self.bytes_put = self.num_put + 1, self.bytes_put + nbytes
         self.queue.put(([block_hash for _, block_hash in blocks], kv, copied, nbytes))
-        return self.num_put
+        self.num_put, self.bytes_put = self.num_put + 1, self.bytes_put + nbytes   # (after: see
+        return self.num_put   # wait; an interrupt between the two reports a step early, no hang)
 
     def wait(self, ticket: int) -> None:
         with self.progress:

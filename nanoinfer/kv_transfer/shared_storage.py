@@ -20,6 +20,7 @@ a consumer computes those blocks. The scheduler counts a block as stored when ev
 opens; the worker loads a block only if its file's hash, layout and checksum are right, so a bad
 block (and every one after it) is computed again, never used.
 """
+import contextlib
 import json
 import logging
 import os
@@ -42,7 +43,7 @@ STORED = object()   # a block's file is there already, whole and equal
 
 class SharedStorageConnector:
 
-    def __init__(self, config: Config, rank: int = 0):
+    def __init__(self, config: Config, rank: int | None = 0):
         transfer, self.layout_dict = config.kv_transfer, kv_layout(config)
         self.layout = layout_id(self.layout_dict)
         self.path = os.path.join(transfer.extra_config["shared_storage_path"], self.layout)
@@ -52,7 +53,7 @@ class SharedStorageConnector:
         self.num_failed_saves, self.failing = 0, False
         self.saver, self.device_bytes = None, 0   # (copies queued on the device, at most)
         self.host, self.pool = None, ThreadPoolExecutor(4, "nanoinfer-kv-file")
-        if self.saves:
+        if self.saves and rank is not None:   # (rank None: the scheduler's side only)
             self.write_layout(self.layout_dict)
             self.device_bytes = transfer.extra_config.get("kv_buffer_size", 2**30)
             self.saver = KVSaver(self.write, self.device_bytes, "nanoinfer-kv-writer")
@@ -147,7 +148,7 @@ class SharedStorageConnector:
                                                      "checksum": checksum(block)})
             os.replace(temp, path)
         except Exception as e:   # (safetensors' own errors are not OSErrors)
-            if os.path.exists(temp):
+            with contextlib.suppress(OSError):
                 os.remove(temp)
             return e
         return None
@@ -166,7 +167,7 @@ class SharedStorageConnector:
     def shutdown(self) -> None:
         if self.saver is not None:
             self.saver.close()
-        self.pool.shutdown()
+        self.pool.shutdown(wait=False)   # (idle once the saver is done)
 
 
 def checksum(t: torch.Tensor) -> str:
