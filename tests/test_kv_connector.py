@@ -91,7 +91,8 @@ def test_a_consumer_computes_only_what_it_was_not_given(llama_dir, stored):
 def test_missing_and_bad_blocks_are_computed_and_saved_again(llama_dir, stored, monkeypatch):
     folder, prompts = stored
     blocks = block_hashes(prompts)
-    os.remove(file(llama_dir, folder, blocks[0][1]))   # prompt 0: its second block is gone
+    os.remove(file(llama_dir, folder, blocks[0][1]))   # prompt 0: its second block is gone,
+    save_file({"kv": torch.zeros(3)}, file(llama_dir, folder, blocks[0][0]))   # its first foreign
     with open(file(llama_dir, folder, blocks[1][1]), "r+b") as f:   # prompt 1: its second cut short
         f.truncate(os.path.getsize(f.name) - 100)
     with open(file(llama_dir, folder, blocks[1][0]), "r+b") as f:   # ... and its first corrupted
@@ -99,18 +100,18 @@ def test_missing_and_bad_blocks_are_computed_and_saved_again(llama_dir, stored, 
         f.write(b"\xff" * 8)
     outputs, consumer = run(llama_dir, prompts, GREEDY, kv_transfer_config=transfer("kv_consumer", folder))
     assert tokens(outputs) == greedy(llama_dir, prompts)
-    assert [o.num_cached_tokens for o in outputs] == [16, 0, 0, 0]
-    assert consumer.num_bad_blocks == 1 and consumer.num_loaded_blocks == 1   # (the truncated: never asked)
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 0, 0]
+    assert consumer.num_bad_blocks == 2 and consumer.num_loaded_blocks == 0   # (the truncated: never asked)
 
     import nanoinfer.kv_transfer.shared_storage as shared_storage
-    temps = []   # the next producer writes the three again (and only those), under unique names
+    temps = []   # the next producer writes the four again (and only those), under unique names
     monkeypatch.setattr(shared_storage, "save_file", lambda t, name, **kw: (temps.append(name),
                                                                             save_file(t, name, **kw)))
     _, producer = run(llama_dir, prompts, SamplingParams(max_tokens=1),
                       kv_transfer_config=transfer("kv_producer", folder))
-    assert producer.num_saved_blocks == 3   # (each name: the file's, the host, the pid, a random part)
+    assert producer.num_saved_blocks == 4   # (each name: the file's, the host, the pid, a random part)
     suffixes = {name.split(".safetensors.")[1] for name in temps}
-    assert len(suffixes) == 3 and all(f"{socket.gethostname()}.{os.getpid()}." in x for x in suffixes)
+    assert len(suffixes) == 4 and all(f"{socket.gethostname()}.{os.getpid()}." in x for x in suffixes)
     outputs, consumer = run(llama_dir, prompts, GREEDY, kv_transfer_config=transfer("kv_consumer", folder))
     assert [o.num_cached_tokens for o in outputs] == [32, 48, 0, 0] and consumer.num_bad_blocks == 0
 

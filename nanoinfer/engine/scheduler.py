@@ -50,9 +50,9 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.pipelined = config.pipeline_parallel_size > 1
         self.max_seqs_per_step = -(-config.max_num_seqs // config.pipeline_parallel_size)
-        self.max_num_batched_tokens, self.max_model_len = config.max_num_batched_tokens, config.max_model_len
-        self.eos_token_ids = config.eos_token_ids
-        self.block_manager = block_manager
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids, self.block_manager = config.eos_token_ids, block_manager
         self.requests: dict[int, Sequence] = {}   # every live sequence, by seq_id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -179,12 +179,12 @@ class Scheduler:
                     out.kv_saves.append((seq.block_table[i], seq.block_hashes[i]))
 
     def external_blocks(self, seq: Sequence, num_computed_blocks: int) -> list[int]:
-        """The hashes of the prompt blocks after the cached ones that the KV connector has (at
-        least one prompt token is still computed)."""
+        """The hashes of the prompt blocks after the cached ones that the KV connector has (one
+        prompt token at least is computed; with EAGLE, as from the prefix cache, the last block)."""
         if self.kv_connector is None or seq.prompt_logprobs is not None:   # (those compute it all)
             return []
         hashes = seq.block_hashes[num_computed_blocks:(seq.num_tokens - 1) // self.block_manager.block_size]
-        return hashes[:self.kv_connector.num_matched_blocks(hashes)]
+        return hashes[:max(self.kv_connector.num_matched_blocks(hashes) - bool(self.lookahead), 0)]
 
     def has_guided(self, sched: SchedulerOutput) -> bool:
         """Does the step hold a sequence with a grammar? (No scan while none is live.)"""

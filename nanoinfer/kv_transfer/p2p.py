@@ -34,7 +34,8 @@ blocked in a wait holds up every other call on it), and the group has one more.
   takes restarting it. A link that fails mid-transfer fails after at most kv_timeout (on NCCL,
   the watchdog may then end the process: the one case that still costs an engine).
 - Streams. Sends and receives run on their threads' own CUDA streams, never on the engine's, so
-  a slow peer never holds up the engine's kernels; a step's blocks count as saved once sent.
+  a slow peer never holds up the engine's kernels; a step's blocks count as saved once the
+  consumer holds them.
 """
 import itertools
 import json
@@ -73,8 +74,8 @@ class P2pConnector:
         self.lock = threading.Lock()   # (received and link: a thread changes them, the step reads)
         self.link = None   # while paired: (its control store, its process group, offer numbers)
         self.closed, self.next_consumer, self.offer = False, 1, 1
-        self.num_loaded_blocks = self.num_saved_blocks = self.num_unsent_blocks = 0
-        self.num_evicted_blocks = 0
+        self.num_loaded_blocks = self.num_saved_blocks = 0
+        self.num_unsent_blocks = self.num_evicted_blocks = 0
         self.store = self.saver = self.receiver = None
         if self.saves:   # (the port is taken once the engine is built: register_kv_caches)
             return
@@ -107,7 +108,8 @@ class P2pConnector:
                                    wait_for_workers=False)
         self.store.set("layout", json.dumps(self.layout))
         self.saver = KVSaver(self.send, self.device_bytes, "nanoinfer-kv-sender")
-        threading.Thread(target=self.listen, name="nanoinfer-kv-listener", daemon=True).start()
+        self.listener = threading.Thread(target=self.listen, name="nanoinfer-kv-pair", daemon=True)
+        self.listener.start()
 
     def listen(self) -> None:
         """The producer's thread: pair with each consumer that comes."""
@@ -125,7 +127,7 @@ class P2pConnector:
                     continue
                 link = self.open_link(number, 0)
                 with self.lock:
-                    self.link = link
+                    self.link, link = link, None   # (the thread keeps no link of its own)
                 logger.info("P2pConnector: a consumer paired")
             except RuntimeError as e:
                 if self.closed:
@@ -182,6 +184,8 @@ class P2pConnector:
             control.set(f"go{n}", "")
             for block in kv[:accepted]:
                 group.send([block], 1, 0).wait()
+            control.wait([f"kept{n}"], self.timeout)   # (saved: the consumer can load them)
+            control.delete_key(f"kept{n}")
         except (RuntimeError, ConnectionError) as e:   # (a store's timeout is a RuntimeError)
             self.num_unsent_blocks += len(hashes)
             with self.lock:
@@ -222,6 +226,8 @@ class P2pConnector:
         """Each offer's blocks, until the producer stops (False) or the link fails (raises)."""
         for n in itertools.count(1):
             self.offer = n
+            if self.closed:
+                return False
             control.wait([f"offer{n}"], FOREVER)
             offer = control.get(f"offer{n}").decode()
             if not offer:
@@ -249,6 +255,7 @@ class P2pConnector:
             with self.lock:
                 for block_hash, kv in zip(hashes, kvs):
                     self.received[block_hash] = kv
+            control.set(f"kept{n}", "")
         return True
 
     def make_room(self, wanted: int) -> int:
@@ -277,11 +284,13 @@ class P2pConnector:
             elif self.link is not None:   # the producer stops sending; our thread wakes up
                 link = dist.PrefixStore(f"link{self.number}", self.client(timedelta(seconds=2)))
                 link.set("left", "")
-                link.set(f"offer{self.offer}", "")
+                for n in (self.offer, self.offer + 1):   # (the offer it waits for, or the next)
+                    link.set(f"offer{n}", "")
         except RuntimeError:   # (the peer is gone already)
             pass
-        if self.receiver is not None:
-            self.receiver.join(5)
+        for thread in (self.receiver, getattr(self, "listener", None)):
+            if thread is not None:
+                thread.join(5)
         self.link = self.store = self.block = None   # (the port, the KV cache: freed)
         self.received.clear()
 

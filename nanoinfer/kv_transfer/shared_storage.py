@@ -109,7 +109,7 @@ class SharedStorageConnector:
         """The block in this file, if it is whole and is what its metadata says it is."""
         try:
             with safe_open(path, "pt") as f:
-                meta, kv = f.metadata(), f.get_tensor("kv")
+                meta, kv = f.metadata() or {}, f.get_tensor("kv")
         except Exception:
             return None
         good = (meta.get("block_hash"), meta.get("layout"), meta.get("checksum")) == \
@@ -168,6 +168,7 @@ class SharedStorageConnector:
         if self.saver is not None:
             self.saver.close()
         self.pool.shutdown(wait=False)   # (idle once the saver is done)
+        self.host = None   # (pinned memory)
 
 
 def checksum(t: torch.Tensor) -> str:
