@@ -95,3 +95,8 @@ def model_fingerprint(path: str, load_format: str = "auto", seed: int = 0) -> st
 
 def layout_id(layout: dict) -> str:
     return xxhash.xxh64_hexdigest(json.dumps(layout, sort_keys=True).encode())
+
+
+def layout_differences(ours: dict, theirs: dict) -> str:
+    return "; ".join(f"{key}: ours {ours.get(key)!r}, theirs {theirs.get(key)!r}"
+                     for key in sorted(set(ours) | set(theirs)) if ours.get(key) != theirs.get(key))

@@ -37,6 +37,7 @@ blocked in a wait holds up every other call on it), and the group has one more.
   a slow peer never holds up the engine's kernels; a step's blocks count as saved once the
   consumer holds them.
 """
+import contextlib
 import itertools
 import json
 import logging
@@ -49,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from nanoinfer.config import Config
-from nanoinfer.kv_transfer import kv_layout
+from nanoinfer.kv_transfer import kv_layout, layout_differences
 from nanoinfer.kv_transfer.saver import KVSaver
 
 logger = logging.getLogger("nanoinfer")
@@ -60,8 +61,7 @@ class P2pConnector:
 
     def __init__(self, config: Config, rank: int = 0):
         if config.world_size != 1:
-            raise ValueError("P2pConnector connects one-rank engines (tensor_parallel_size = "
-                             "pipeline_parallel_size = 1)")
+            raise ValueError("P2pConnector connects one-rank engines (no tensor or pipeline ranks)")
         transfer, extra = config.kv_transfer, config.kv_transfer.extra_config
         self.loads, self.saves = (transfer.kv_role == r for r in ("kv_consumer", "kv_producer"))
         self.address = extra.get("kv_ip", "127.0.0.1"), extra["kv_port"]
@@ -76,7 +76,7 @@ class P2pConnector:
         self.closed, self.next_consumer, self.offer = False, 1, 1
         self.num_loaded_blocks = self.num_saved_blocks = 0
         self.num_unsent_blocks = self.num_evicted_blocks = 0
-        self.store = self.saver = self.receiver = None
+        self.store = self.saver = self.receiver = self.listener = None
         if self.saves:   # (the port is taken once the engine is built: register_kv_caches)
             return
         self.store = dist.TCPStore(*self.address, None, False, self.connect_timeout)
@@ -84,7 +84,7 @@ class P2pConnector:
         if theirs != self.layout:   # (announced, so that the producer logs it too)
             self.store.set(f"consumer{self.store.add('consumers', 1)}", json.dumps(self.layout))
             raise ValueError(f"P2pConnector: the producer at {self.address} exchanges other KV "
-                             f"blocks than this engine: {differences(self.layout, theirs)}")
+                             f"blocks than this engine: {layout_differences(self.layout, theirs)}")
 
     def client(self, timeout: timedelta | None = None) -> dist.TCPStore:
         return dist.TCPStore(*self.address, None, False, timeout or self.connect_timeout)
@@ -117,13 +117,15 @@ class P2pConnector:
         for number in itertools.count(1):
             self.next_consumer = number
             try:
+                if self.closed:
+                    return
                 store.wait([f"consumer{number}"], FOREVER)
                 if self.closed:
                     return
                 theirs = json.loads(store.get(f"consumer{number}"))
                 if theirs != self.layout:
                     logger.error("P2pConnector: refused a consumer that exchanges other KV blocks: "
-                                 "%s", differences(self.layout, theirs))
+                                 "%s", layout_differences(self.layout, theirs))
                     continue
                 link = self.open_link(number, 0)
                 with self.lock:
@@ -170,6 +172,7 @@ class P2pConnector:
             self.num_unsent_blocks += len(hashes)
             return
         control, group, numbers = link
+        unsent = len(hashes)   # (until the consumer says how many it takes)
         try:
             if control.check(["left"]):
                 raise ConnectionError("it shut down")
@@ -179,15 +182,17 @@ class P2pConnector:
             accepted = int(control.get(f"ready{n}"))   # (the first ones, as many as fit there)
             control.delete_key(f"ready{n}")
             self.num_unsent_blocks += len(hashes) - accepted
+            unsent = accepted
             if not accepted:   # (no room: not a failure)
                 return
             control.set(f"go{n}", "")
             for block in kv[:accepted]:
                 group.send([block], 1, 0).wait()
-            control.wait([f"kept{n}"], self.timeout)   # (saved: the consumer can load them)
+            with contextlib.suppress(dist.DistStoreError):   # (late: slow, not gone; sent anyway)
+                control.wait([f"kept{n}"], self.timeout)   # saved: the consumer can load them
             control.delete_key(f"kept{n}")
         except (RuntimeError, ConnectionError) as e:   # (a store's timeout is a RuntimeError)
-            self.num_unsent_blocks += len(hashes)
+            self.num_unsent_blocks += unsent
             with self.lock:
                 if self.link is not link:   # (a newer consumer paired meanwhile)
                     return
@@ -199,10 +204,9 @@ class P2pConnector:
 
     def receive(self) -> None:
         """The consumer's thread: pair, and receive for as long as the link lasts; pair again."""
-        stream = None
-        if self.block.is_cuda:   # (the engine's GPU, and a stream of this thread's own)
+        stream = torch.cuda.Stream(self.block.device) if self.block.is_cuda else None
+        if stream is not None:   # (the engine's GPU, and a stream of this thread's own)
             torch.cuda.set_device(self.block.device)
-            stream = torch.cuda.Stream()
         while not self.closed:
             try:
                 number = self.store.add("consumers", 1)
@@ -280,7 +284,8 @@ class P2pConnector:
                 self.saver.close()
                 if self.link is not None and not self.saver.thread.is_alive():
                     self.link[0].set(f"offer{next(self.link[2])}", "")
-                self.store.set(f"consumer{self.next_consumer}", "")   # (wakes the listener)
+                for n in (self.next_consumer, self.next_consumer + 1):   # (wakes the listener)
+                    self.store.set(f"consumer{n}", "")
             elif self.link is not None:   # the producer stops sending; our thread wakes up
                 link = dist.PrefixStore(f"link{self.number}", self.client(timedelta(seconds=2)))
                 link.set("left", "")
@@ -288,13 +293,8 @@ class P2pConnector:
                     link.set(f"offer{n}", "")
         except RuntimeError:   # (the peer is gone already)
             pass
-        for thread in (self.receiver, getattr(self, "listener", None)):
-            if thread is not None:
-                thread.join(5)
+        for thread in filter(None, (self.receiver, self.listener)):
+            thread.join(5)
         self.link = self.store = self.block = None   # (the port, the KV cache: freed)
         self.received.clear()
 
-
-def differences(ours: dict, theirs: dict) -> str:
-    return "; ".join(f"{key}: ours {ours.get(key)!r}, theirs {theirs.get(key)!r}"
-                     for key in sorted(set(ours) | set(theirs)) if ours.get(key) != theirs.get(key))
