@@ -27,7 +27,7 @@ class LinearBase(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
-        self.tp_group = get_tp_group()   # kept: the collectives run over the group built for
+        self.tp_group = get_tp_group()   # (the forward's collectives use this very group)
         self.tp_rank, self.tp_size = self.tp_group.rank_in_group, self.tp_group.world_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
