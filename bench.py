@@ -71,8 +71,8 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from nanoinfer import LLM, GuidedDecodingParams, SamplingParams
-from nanoinfer.engine.async_output import AsyncModelRunnerOutput
-from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.worker.async_output import AsyncModelRunnerOutput
+from nanoinfer.worker.model_runner import ModelRunner
 from nanoinfer.executor.multiproc_executor import FutureOutput
 from nanoinfer.sampling_params import RequestOutputKind
 

@@ -2,8 +2,8 @@
 import itertools
 import random
 
-from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.sequence import Sequence, hash_block
+from nanoinfer.core.block_manager import BlockManager
+from nanoinfer.core.sequence import Sequence, hash_block
 from nanoinfer.sampling_params import SamplingParams
 
 BS = 4

@@ -164,7 +164,7 @@ def test_step_message_round_trip(llama_dir, async_scheduling):
     """Each step's SchedulerOutput, pickled and applied to a second model runner built from the
     same config, gives the same sampled tokens: what a tensor-parallel worker will do. Greedy,
     seeded and unseeded requests, penalties and min_tokens, prefix hits, chunks and preemption."""
-    from nanoinfer.engine.model_runner import ModelRunner
+    from nanoinfer.worker.model_runner import ModelRunner
     llm = LLM(llama_dir, num_kvcache_blocks=14, max_model_len=160, max_num_batched_tokens=32, max_num_seqs=8,
               async_scheduling=async_scheduling)
     engine = llm.llm_engine

@@ -87,7 +87,7 @@ def test_max_model_len_beyond_the_models_context(llama_dir, monkeypatch):
 
 
 def test_impossible_max_model_len_is_rejected_before_the_weights_load(llama_dir, monkeypatch):
-    import nanoinfer.engine.model_runner as model_runner
+    import nanoinfer.worker.model_runner as model_runner
     monkeypatch.setattr(model_runner, "load_model", lambda *a: pytest.fail("the weights were loaded"))
     with pytest.raises(ValueError, match="fewer than max_model_len"):
         LLM(llama_dir, num_kvcache_blocks=2, max_model_len=64)

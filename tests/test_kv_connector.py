@@ -329,7 +329,7 @@ def test_point_to_point_ends_that_disagree_refuse_to_pair(llama_dir, fine_tune, 
 
 
 def block_hashes(prompts: list) -> list[list[int]]:
-    from nanoinfer.engine.sequence import Sequence
+    from nanoinfer.core.sequence import Sequence
     return [Sequence(0, p, GREEDY, 12, 16).block_hashes for p in prompts]
 
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from conftest import VOCAB_SIZE, random_prompts, write_eagle_head, write_medusa_head
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import SpeculativeConfig
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.core.sequence import Sequence
 from nanoinfer.sampling_params import RequestOutputKind
 from nanoinfer.spec_decode.ngram_proposer import NgramProposer
 from nanoinfer.spec_decode.rejection_sampler import accept_drafts

@@ -1,7 +1,7 @@
 """The offline engine: a front end (tokenize, validate, detokenize) over an engine core in this
 process, one step at a time.
 
-`step()` runs one step of the core (core.py: schedule, run the model, sample, apply the token
+`step()` runs one step of the core (core/engine_core.py: schedule, run the model, sample, apply the token
 stops) and turns the token ids it returns into each touched request's output
 (output_processor.py: detokenize, stop strings). Requests come in through `add_request`
 (input_processor.py validates them first).
@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanoinfer.config import Config
-from nanoinfer.engine.core import EngineCore
+from nanoinfer.core.engine_core import EngineCore
 from nanoinfer.engine.input_processor import InputProcessor, PromptType
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.outputs import RequestOutput

@@ -15,9 +15,9 @@ import time
 
 from transformers import PreTrainedTokenizerBase
 
-from nanoinfer.engine.core import EngineCoreRequest
+from nanoinfer.core.engine_core import EngineCoreRequest
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
-from nanoinfer.engine.messages import EngineCoreOutput
+from nanoinfer.core.messages import EngineCoreOutput
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 

@@ -14,7 +14,7 @@ import weakref
 
 import numpy as np
 
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.core.sequence import Sequence
 
 
 class NgramProposer:

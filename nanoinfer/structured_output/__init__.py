@@ -27,7 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
-from nanoinfer.engine.messages import GrammarOutput
+from nanoinfer.core.messages import GrammarOutput
 from nanoinfer.sampling_params import GuidedDecodingParams
 from nanoinfer.structured_output.json_schema import json_schema_to_regex
 from nanoinfer.structured_output.dfa import compile_regex

@@ -25,7 +25,7 @@ with blocks for them and nothing to compute; its step loads them, and it waits
 (WAITING_FOR_REMOTE_KVS) until that step's output says how many were good, which then count as
 computed. A producer's steps list the full prompt blocks they compute, to be saved. A request that
 wants its prompt's logprobs reads no cached blocks: every prompt position is computed. Pipeline
-parallelism (P stages, engine/core.py): a sequence with a step in flight is skipped, and a step
+parallelism (P stages, core/engine_core.py): a sequence with a step in flight is skipped, and a step
 takes at most max_num_seqs / P sequences, so that P steps in flight hold disjoint ones. Speculative
 decoding (spec_decode/): a decoding sequence's drafts are scheduled after its known tokens, in the
 same budget, trimmed so that the step cannot run past max_tokens or max_model_len. The step counts
@@ -36,10 +36,10 @@ import time
 from collections import deque
 
 from nanoinfer.config import Config
-from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.messages import (EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+from nanoinfer.core.block_manager import BlockManager
+from nanoinfer.core.messages import (EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                       SchedulerOutput)
-from nanoinfer.engine.sequence import Sequence, SequenceStatus
+from nanoinfer.core.sequence import Sequence, SequenceStatus
 from nanoinfer.spec_decode.metrics import SpecDecodingStats
 from nanoinfer.spec_decode.ngram_proposer import NgramProposer
 

@@ -30,7 +30,7 @@ import torch
 import xxhash
 
 from nanoinfer.attention import AttentionMetadata
-from nanoinfer.engine.messages import GrammarOutput, NewRequestData, SchedulerOutput
+from nanoinfer.core.messages import GrammarOutput, NewRequestData, SchedulerOutput
 from nanoinfer.structured_output import MAX_MASK_ROWS
 from nanoinfer.layers.sampler import Penalties, SamplingMetadata
 

@@ -28,10 +28,10 @@ import torch.distributed as dist
 from nanoinfer.attention import AttentionMetadata, get_attn_backend, set_forward_context
 from nanoinfer.config import Config
 from nanoinfer.distributed import get_pp_group, get_tp_group
-from nanoinfer.engine.async_output import AsyncModelRunnerOutput, to_host
-from nanoinfer.engine.cuda_graph import CUDAGraphRunner
-from nanoinfer.engine.input_batch import InputBatch, StepInputs
-from nanoinfer.engine.messages import GrammarOutput, SchedulerOutput
+from nanoinfer.worker.async_output import AsyncModelRunnerOutput, to_host
+from nanoinfer.worker.cuda_graph import CUDAGraphRunner
+from nanoinfer.worker.input_batch import InputBatch, StepInputs
+from nanoinfer.core.messages import GrammarOutput, SchedulerOutput
 from nanoinfer.kv_transfer import make_kv_connector
 from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.sampler import Sampler, SamplingMetadata, score_prompt_tokens

@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoinfer.config import Config
-from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.model_runner import ModelRunner
-from nanoinfer.engine.messages import EngineCoreOutput
-from nanoinfer.engine.scheduler import Scheduler
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.core.block_manager import BlockManager
+from nanoinfer.worker.model_runner import ModelRunner
+from nanoinfer.core.messages import EngineCoreOutput
+from nanoinfer.core.scheduler import Scheduler
+from nanoinfer.core.sequence import Sequence
 from nanoinfer.executor.multiproc_executor import MultiprocExecutor
 from nanoinfer.kv_transfer import make_kv_connector
 from nanoinfer.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""A launched step's output on its way to the host (the model runner's, engine/model_runner.py).
+"""A launched step's output on its way to the host (the model runner's, worker/model_runner.py).
 
 `sample_tokens` returns without waiting for the GPU: the step's sampled tokens (and logprobs,
 drafts, prompt logprobs) are copied to pinned host memory by copies queued behind the step's
@@ -10,7 +10,7 @@ import itertools
 
 import torch
 
-from nanoinfer.engine.messages import LogprobsLists, ModelRunnerOutput
+from nanoinfer.core.messages import LogprobsLists, ModelRunnerOutput
 from nanoinfer.layers.sampler import SamplerOutput
 
 

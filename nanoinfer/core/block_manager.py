@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.core.sequence import Sequence
 
 
 class BlockManager:
