@@ -1,8 +1,8 @@
 """The offline engine: a front end (tokenize, validate, detokenize) over an engine core in this
 process, one step at a time.
 
-`step()` runs one step of the core (core/engine_core.py: schedule, run the model, sample, apply the token
-stops) and turns the token ids it returns into each touched request's output
+`step()` runs one step of the core (core/engine_core.py: schedule, run the model, sample, apply
+the token stops) and turns the token ids it returns into each touched request's output
 (output_processor.py: detokenize, stop strings). Requests come in through `add_request`
 (input_processor.py validates them first).
 
