@@ -8,7 +8,7 @@ import xxhash
 from conftest import VOCAB_SIZE, hf_logits, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.worker.input_batch import token_seed
-from nanoinfer.engine.llm_engine import EngineDeadError
+from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.sampling_params import RequestOutputKind
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

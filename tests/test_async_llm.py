@@ -10,7 +10,7 @@ from conftest import random_prompts
 from nanoinfer import LLM, RequestOutputKind, SamplingParams
 from nanoinfer.engine.async_llm import AsyncLLM
 from nanoinfer.engine.core_client import core_gpus
-from nanoinfer.engine.llm_engine import EngineDeadError
+from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.engine.output_processor import RequestState
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA)

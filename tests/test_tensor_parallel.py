@@ -21,7 +21,7 @@ import pytest
 from conftest import VOCAB_SIZE, hf_greedy, random_prompts, save_model, write_eagle_head, write_medusa_head
 from nanoinfer import LLM, GuidedDecodingParams, SamplingParams
 from nanoinfer.config import Config
-from nanoinfer.engine.llm_engine import EngineDeadError
+from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.executor.message_queue import MessageQueue
 from nanoinfer.executor.multiproc_executor import WorkerDiedError
 

@@ -29,49 +29,21 @@ import atexit
 import gc
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from nanoinfer.config import Config
 from nanoinfer.core.block_manager import BlockManager
-from nanoinfer.worker.model_runner import ModelRunner
-from nanoinfer.core.messages import EngineCoreOutput
+from nanoinfer.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from nanoinfer.core.scheduler import Scheduler
 from nanoinfer.core.sequence import Sequence
 from nanoinfer.executor.multiproc_executor import MultiprocExecutor
 from nanoinfer.kv_transfer import make_kv_connector
-from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured_output import Grammar, StructuredOutputManager
+from nanoinfer.worker.model_runner import ModelRunner
 
 
 atexit.register(gc.unfreeze)   # what EngineCore froze is freed at exit (extensions check for leaks)
-
-
-@dataclass
-class EngineCoreRequest:
-    """A validated request, as the core runs it: one sequence per sample (n of them)."""
-    request_id: str
-    seq_ids: list[int]
-    prompt_token_ids: list[int]
-    params: list[SamplingParams]   # per sample (their seeds differ)
-    max_tokens: int
-    grammar: str | None = None     # the regex of a guided request (structured_output/)
-
-
-@dataclass
-class SchedulerStats:
-    """The core's load and cache, for a server's metrics and its load balancer."""
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0   # of the blocks, the fraction in use
-    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache, in all
-    prefix_cache_hits: int = 0      # ... and found there
-    num_requests_added: int = 0     # requests received, in all
-    num_aborted_seqs: int = 0       # sequences ended early: aborted, or by a stop string, in all
-    num_preemptions: int = 0        # in all
-    num_step_tokens: int = 0        # tokens the steps since the last stats computed
-    kv_connector: dict = field(default_factory=dict)   # its counts (kv_transfer/), by name
 
 
 class EngineCore:

@@ -17,7 +17,9 @@ from that step's output on the device.
 speculative decoding the accepted drafts and one more), and drafts for its next step when the
 runner proposes them (EAGLE, Medusa).
 
-`EngineCoreOutput` is what the core then tells the front end of each sequence a step touched.
+Between the front end and the core: `EngineCoreRequest` goes in (a validated request, token ids
+only), and `EngineCoreOutput` comes out, what the core tells the front end of each sequence a
+step touched, with `SchedulerStats` (its load, for a server's metrics and load balancing).
 
 `GrammarOutput` goes in with the call to sample, when requests are guided (structured_output/):
 made after the execute call, since with async scheduling it needs the tokens of the step before.
@@ -114,3 +116,29 @@ class EngineCoreOutput:
     # with its first tokens: the prompt's logprobs (if asked for) and when it was first scheduled
     prompt_logprobs: list[tuple[list[int], list[float], int] | None] | None = None
     scheduled_time: float | None = None
+
+
+@dataclass
+class EngineCoreRequest:
+    """A validated request, as the core runs it: one sequence per sample (n of them)."""
+    request_id: str
+    seq_ids: list[int]
+    prompt_token_ids: list[int]
+    params: list[SamplingParams]   # per sample (their seeds differ)
+    max_tokens: int
+    grammar: str | None = None     # the regex of a guided request (structured_output/)
+
+
+@dataclass
+class SchedulerStats:
+    """The core's load and cache, for a server's metrics and its load balancer."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0   # of the blocks, the fraction in use
+    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache, in all
+    prefix_cache_hits: int = 0      # ... and found there
+    num_requests_added: int = 0     # requests received, in all
+    num_aborted_seqs: int = 0       # sequences ended early: aborted, or by a stop string, in all
+    num_preemptions: int = 0        # in all
+    num_step_tokens: int = 0        # tokens the steps since the last stats computed
+    kv_connector: dict = field(default_factory=dict)   # its counts (kv_transfer/), by name

@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from nanoinfer.config import Config
 from nanoinfer.engine.core_client import EngineCoreClient
 from nanoinfer.engine.input_processor import InputProcessor, PromptType
-from nanoinfer.engine.llm_engine import EngineDeadError, load_tokenizer
+from nanoinfer.engine.exceptions import EngineDeadError
+from nanoinfer.engine.llm_engine import load_tokenizer
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams

@@ -13,7 +13,7 @@ from itertools import count
 from transformers import PreTrainedTokenizerBase
 
 from nanoinfer.config import Config
-from nanoinfer.core.engine_core import EngineCoreRequest
+from nanoinfer.core.messages import EngineCoreRequest
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured_output import guided_regex
 

@@ -21,14 +21,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanoinfer.config import Config
 from nanoinfer.core.engine_core import EngineCore
+from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.engine.input_processor import InputProcessor, PromptType
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import SamplingParams
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 # the engine's error while a step runs: still there afterwards if the step (or its Ctrl-C handler)

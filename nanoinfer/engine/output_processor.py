@@ -15,7 +15,7 @@ import time
 
 from transformers import PreTrainedTokenizerBase
 
-from nanoinfer.core.engine_core import EngineCoreRequest
+from nanoinfer.core.messages import EngineCoreRequest
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
 from nanoinfer.core.messages import EngineCoreOutput
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput

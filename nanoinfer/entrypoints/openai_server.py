@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from nanoinfer.engine.async_llm import LONG_TEXT, AsyncLLM
-from nanoinfer.engine.llm_engine import EngineDeadError
+from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.entrypoints.http import RequestGuard, add_error_handlers, until_disconnected
 from nanoinfer.entrypoints.metrics import ServerMetrics
 from nanoinfer.entrypoints.protocol import (APIError, ChatCompletionRequest, Chunker,
