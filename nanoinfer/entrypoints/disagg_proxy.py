@@ -50,7 +50,7 @@ def create_proxy(prefill: str, decode: str, timeout: float = 600,
     async def route(request: Request, fields) -> Response:
         check_fields(fields)   # (a refused field is a 400 before anything runs)
         try:
-            return await prefill_then_decode(request)
+            return await prefill_then_decode(client, prefill, decode, request)
         except httpx.TimeoutException:
             return JSONResponse(error_body(504, f"a server behind the proxy sent nothing for "
                                                 f"{timeout} s"), 504)
@@ -63,30 +63,9 @@ def create_proxy(prefill: str, decode: str, timeout: float = 600,
     async def chat(request: Request, fields: ChatCompletionRequest):
         return await route(request, fields)
 
-    async def prefill_then_decode(request: Request):
-        path, body = request.url.path, await request.body()
-        headers = {k: v for k, v in request.headers.items()
-                   if k in ("authorization", "content-type")}
-        prefill_body = {k: v for k, v in json.loads(body).items() if k not in NOT_FOR_PREFILL}
-        prefill_body |= {"max_tokens": 1} | ({"max_completion_tokens": 1}
-                                             if "messages" in prefill_body else {})
-        done = await client.post(prefill + path, json=prefill_body, headers=headers)
-        if done.status_code != 200:   # a bad request: the prefill server's answer says why
-            return Response(done.content, done.status_code,
-                            media_type=done.headers.get("content-type"))
-        decoding = client.build_request("POST", decode + path, content=body, headers=headers)
-        answer = await client.send(decoding, stream=True)
-        return StreamingResponse(answer.aiter_raw(), answer.status_code,
-                                 media_type=answer.headers.get("content-type"),
-                                 background=BackgroundTask(answer.aclose))
-
     async def health():
-        async def status(url: str) -> int | str:
-            try:
-                return (await client.get(url + "/health", timeout=min(timeout, 10))).status_code
-            except httpx.HTTPError as e:
-                return repr(e)
-        both = await asyncio.gather(status(prefill), status(decode))
+        both = await asyncio.gather(*(health_of(client, url, min(timeout, 10))
+                                      for url in (prefill, decode)))
         servers = dict(zip(("prefill", "decode"), both))
         return JSONResponse(servers, 200 if set(servers.values()) == {200} else 503)
 
@@ -105,6 +84,34 @@ def create_proxy(prefill: str, decode: str, timeout: float = 600,
     for path in ("/v1/models", "/metrics"):
         app.add_api_route(path, forward, methods=["GET"])
     return app
+
+
+async def prefill_then_decode(client: httpx.AsyncClient, prefill: str, decode: str,
+                              request: Request) -> Response:
+    """The request to the prefill server with max_tokens 1, then as it came to the decode server."""
+    path, body = request.url.path, await request.body()
+    headers = {k: v for k, v in request.headers.items()
+               if k in ("authorization", "content-type")}
+    prefill_body = {k: v for k, v in json.loads(body).items() if k not in NOT_FOR_PREFILL}
+    prefill_body |= {"max_tokens": 1} | ({"max_completion_tokens": 1}
+                                         if "messages" in prefill_body else {})
+    done = await client.post(prefill + path, json=prefill_body, headers=headers)
+    if done.status_code != 200:   # a bad request: the prefill server's answer says why
+        return Response(done.content, done.status_code,
+                        media_type=done.headers.get("content-type"))
+    decoding = client.build_request("POST", decode + path, content=body, headers=headers)
+    answer = await client.send(decoding, stream=True)
+    return StreamingResponse(answer.aiter_raw(), answer.status_code,
+                             media_type=answer.headers.get("content-type"),
+                             background=BackgroundTask(answer.aclose))
+
+
+async def health_of(client: httpx.AsyncClient, url: str, timeout: float) -> int | str:
+    """A server's /health status, or why it could not be reached."""
+    try:
+        return (await client.get(url + "/health", timeout=timeout)).status_code
+    except httpx.HTTPError as e:
+        return repr(e)
 
 
 def main(argv=None) -> None:
