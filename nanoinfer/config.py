@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ALLOW_LONG = "NANOINFER_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 @dataclass
@@ -26,7 +27,8 @@ class Config:
     block_size: int = 16
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1      # stages, each a contiguous range of layers (P steps in flight)
+    # stages, each a contiguous range of layers (P steps in flight)
+    pipeline_parallel_size: int = 1
     enforce_eager: bool = False          # no CUDA graphs
     async_scheduling: bool = True        # schedule step N+1 while step N runs
     dtype: str = "auto"                  # auto: float32 on CPU, the checkpoint's dtype on GPU
@@ -46,42 +48,44 @@ class Config:
     def __post_init__(self):
         self.hf_config = load_hf_config(self.model)
         if not os.path.isdir(self.model):   # a hub id (where a hub is reachable): fetch it once
-            from huggingface_hub import snapshot_download
-            patterns = ["*.json", "*.model", "*.txt", "*.jinja"]
-            if self.load_format == "auto":
-                patterns.append("*.safetensors")
-            self.model = snapshot_download(self.model, allow_patterns=patterns)
+            self.model = download(self.model, self.load_format)
         self.eos_token_ids = load_eos_token_ids(self.model, self.hf_config)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device == "cuda" else "torch"
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 4096
-        if self.max_model_len is None:
-            self.max_model_len = model_len
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "tensor_parallel_size",
-                     "pipeline_parallel_size"):
-            check_int(name, getattr(self, name), 1)
-        check_int("max_logprobs", self.max_logprobs, 0)
-        if self.max_model_len > model_len and os.environ.get("NANOINFER_ALLOW_LONG_MAX_MODEL_LEN") != "1":
-            raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's context "
-                             f"(max_position_embeddings={model_len}): outputs past it are likely wrong. Set "
-                             "NANOINFER_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it anyway")
+        self.max_model_len = self.max_model_len or model_len
+        self.check_ranges()
+        if self.max_model_len > model_len and os.environ.get(ALLOW_LONG) != "1":
+            raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's "
+                             f"context (max_position_embeddings={model_len}): outputs past it "
+                             f"are likely wrong. Set {ALLOW_LONG}=1 to allow it anyway")
         if self.world_size > 1:
             self.check_model_parallel()
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
-            raise ValueError(f"num_kvcache_blocks must be at least 1, got {self.num_kvcache_blocks}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.speculative_config is not None:
             if self.pipeline_parallel_size > 1:
                 raise ValueError("speculative decoding does not work with pipeline parallelism yet")
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
-            self.async_scheduling = False   # the next step's drafts need this step's tokens on the host
+            # the next step's drafts need this step's tokens on the host
+            self.async_scheduling = False
         if self.kv_transfer_config is not None:
             self.kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
+
+    def check_ranges(self) -> None:
+        """Each number in its range, or a ValueError naming it."""
+        checks = [(name, is_int(getattr(self, name), 1), "an integer >= 1") for name in (
+            "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
+            "tensor_parallel_size", "pipeline_parallel_size")]
+        checks += [
+            ("max_logprobs", is_int(self.max_logprobs, 0), "an integer >= 0"),
+            ("num_kvcache_blocks", self.num_kvcache_blocks is None
+             or is_int(self.num_kvcache_blocks, 1), "None or an integer >= 1"),
+            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
+            ("load_format", self.load_format in ("auto", "dummy"), "'auto' or 'dummy'")]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {why}, got {getattr(self, name)!r}")
 
     @property
     def world_size(self) -> int:
@@ -107,6 +111,12 @@ class Config:
                              f"GPUs, this machine has {torch.cuda.device_count()}")
 
     @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots past a step that EAGLE's drafts write (0 without EAGLE)."""
+        spec = self.speculative
+        return spec.num_speculative_tokens if spec is not None and spec.method == "eagle" else 0
+
+    @property
     def kv_cache_bytes_per_token(self) -> int:
         """The keys and values of one token, in every layer of the largest stage, on one rank."""
         hf = self.hf_config
@@ -114,7 +124,8 @@ class Config:
         num_kv_heads = max(1, hf.num_key_value_heads // self.tensor_parallel_size)
         pp = self.pipeline_parallel_size
         num_layers = max(len(stage_layers(hf.num_hidden_layers, pp, stage)) for stage in range(pp))
-        num_layers += self.speculative is not None and self.speculative.method == "eagle"
+        if self.num_lookahead_tokens:   # EAGLE's draft layer
+            num_layers += 1
         return 2 * num_layers * num_kv_heads * head_dim(hf) * self.torch_dtype.itemsize
 
     @property
@@ -218,9 +229,23 @@ def stage_layers(num_layers: int, pipeline_parallel_size: int, stage: int) -> ra
     return range(sum(sizes[:stage]), sum(sizes[:stage + 1]))
 
 
+def is_int(value, minimum: int) -> bool:
+    """Is `value` an integer (not a bool) of at least `minimum`?"""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def check_int(name: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    if not is_int(value, minimum):
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def download(model: str, load_format: str) -> str:
+    """A hub model's folder, fetched once (its weights too, unless they are to be random)."""
+    from huggingface_hub import snapshot_download
+    patterns = ["*.json", "*.model", "*.txt", "*.jinja"]
+    if load_format == "auto":
+        patterns.append("*.safetensors")
+    return snapshot_download(model, allow_patterns=patterns)
 
 
 def load_hf_config(model: str) -> PretrainedConfig:

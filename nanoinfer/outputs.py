@@ -12,7 +12,8 @@ from nanoinfer.spec_decode.metrics import SpecDecodingStats
 
 @dataclass
 class Logprob:
-    logprob: float                    # of the raw model's distribution (before penalties, temperature, masks)
+    # of the raw model's distribution (before penalties, temperature, masks)
+    logprob: float
     rank: int | None = None           # 1 = the most likely token
     decoded_token: str | None = None  # the token's own text
 
@@ -22,7 +23,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None = None           # sum of the sampled tokens' logprobs (with logprobs=N)
+    # sum of the sampled tokens' logprobs (with logprobs=N)
+    cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # per token: the sampled one and the top N
     finish_reason: str | None = None    # "stop" (EOS, stop id or stop string), "length", "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -39,7 +41,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0      # of its first sample
-    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)   # its drafts (all samples)
+    # its drafts (all samples)
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
 
 
 @dataclass

@@ -39,22 +39,27 @@ class GuidedDecodingParams:
 
 @dataclass(kw_only=True)
 class SamplingParams:
-    n: int = 1                    # independent samples of the prompt, returned as one request's outputs
+    # independent samples of the prompt, returned as one request's outputs
+    n: int = 1
     temperature: float = 1.0      # 0 means greedy (argmax)
     top_p: float = 1.0            # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0                # keep the k most likely tokens; 0 or -1 keeps all
     min_p: float = 0.0            # drop tokens less likely than min_p times the most likely one
     presence_penalty: float = 0.0     # subtracted once from the logit of each token the output has
-    frequency_penalty: float = 0.0    # subtracted from a token's logit once per time the output has it
-    repetition_penalty: float = 1.0   # tokens of prompt or output: positive logits / it, negative * it
+    # subtracted from a token's logit once per time the output has it
+    frequency_penalty: float = 0.0
+    # tokens of prompt or output: positive logits / it, negative * it
+    repetition_penalty: float = 1.0
     seed: int | None = None       # private randomness: same seed, same output in any batch
     max_tokens: int | None = 16   # None: until the context (max_model_len) is full
-    min_tokens: int = 0           # EOS, stop_token_ids and stop strings are ignored until this many are out
+    # EOS, stop_token_ids and stop strings are ignored until this many are out
+    min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = None   # the log-probabilities of the sampled token and the top-N at each step
+    # the log-probabilities of the sampled token and the top-N at each step
+    logprobs: int | None = None
     prompt_logprobs: int | None = None   # the same of each prompt token, given those before
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling
     skip_special_tokens: bool = True

@@ -7,7 +7,7 @@ import xxhash
 
 from conftest import VOCAB_SIZE, hf_logits, random_prompts
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.worker.input_batch import token_seed
+from nanoinfer.worker.sampling_inputs import token_seed
 from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.sampling_params import RequestOutputKind
 

@@ -170,16 +170,16 @@ def test_step_message_round_trip(llama_dir, async_scheduling):
     engine = llm.llm_engine
     second = ModelRunner(engine.config)
     execute_model, sample_tokens = engine.model_executor.execute_model, engine.model_executor.sample_tokens
-    pairs = []
+    pairs, executed = [], []
 
     def execute_both(sched):
         message = pickle.dumps(sched)
-        second.execute_model(pickle.loads(message))
-        execute_model(sched)
+        executed.append(second.execute_model(pickle.loads(message)))
+        return execute_model(sched)
 
-    def sample_both(grammar=None):
-        out = sample_tokens(grammar)
-        pairs.append((out, second.sample_tokens(pickle.loads(pickle.dumps(grammar)))))
+    def sample_both(step, grammar=None):
+        out = sample_tokens(step, grammar)
+        pairs.append((out, second.sample_tokens(executed.pop(), pickle.loads(pickle.dumps(grammar)))))
         return out
     engine.model_executor.execute_model, engine.model_executor.sample_tokens = execute_both, sample_both
     shared = random_prompts([20], seed=50)[0]

@@ -10,7 +10,6 @@ from transformers import AutoModelForCausalLM
 from conftest import VOCAB_SIZE, random_prompts, write_eagle_head, write_medusa_head
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import SpeculativeConfig
-from nanoinfer.core.sequence import Sequence
 from nanoinfer.sampling_params import RequestOutputKind
 from nanoinfer.spec_decode.ngram_proposer import NgramProposer
 from nanoinfer.spec_decode.rejection_sampler import accept_drafts
@@ -45,19 +44,17 @@ def test_bad_speculative_config(config, message):
 
 def test_ngram_lookup():
     def propose(tokens, k=4, min_n=1, max_n=3, max_model_len=100):
-        seq = Sequence(0, tokens, SamplingParams(), 10, 16)
-        return NgramProposer(k, min_n, max_n, max_model_len).propose(seq)
+        return NgramProposer(k, min_n, max_n, max_model_len).propose(0, tokens)
     assert propose([1, 2, 3, 4, 2, 3], min_n=2) == [4, 2, 3]          # the tokens after "2 3"
     assert propose([1, 2, 3, 4, 2, 3], min_n=3) == []                 # no earlier "4 2 3"
     assert propose([7, 5, 1, 8, 5, 1, 9, 1]) == [8, 5, 1, 9]          # "1": the earliest of equals
     assert propose([7, 5, 1, 8, 5, 1, 9, 5, 1]) == [8, 5, 1, 9]       # "5 1" beats "1"
     assert propose([1, 2, 1, 2, 1]) == [2, 1]                         # "1 2 1" overlaps the suffix
     assert propose([1, 2, 1, 2, 1], max_model_len=7) == [2]           # room for the draft and one more
-    proposer, seq = NgramProposer(2, 1, 2, 100), Sequence(0, [4, 5, 6], SamplingParams(), 10, 16)
-    assert proposer.propose(seq) == []
-    for t in (4, 5):   # tokens appended later are seen
-        seq.append_token(t)
-    assert proposer.propose(seq) == [6, 4]
+    proposer, token_ids = NgramProposer(2, 1, 2, 100), [4, 5, 6]
+    assert proposer.propose(0, token_ids) == []
+    token_ids += [4, 5]   # tokens appended later are seen
+    assert proposer.propose(0, token_ids) == [6, 4]
 
 
 @pytest.mark.parametrize("flat", [False, True])
@@ -126,12 +123,17 @@ class OracleProposer:
         self.continuations = {tuple(p): o for p, o in zip(prompts, outputs)}
         self.k, self.calls = k, 0
 
-    def propose(self, seq: Sequence) -> list[int]:
-        n, self.calls = seq.num_output_tokens, self.calls + 1
-        drafts = self.continuations[tuple(seq.token_ids[:seq.num_prompt_tokens])][n:n + self.k]
+    def propose(self, seq_id: int, token_ids: list[int]) -> list[int]:
+        self.calls += 1
+        prompt = max((p for p in self.continuations if tuple(token_ids[:len(p)]) == p), key=len)
+        n = len(token_ids) - len(prompt)
+        drafts = self.continuations[prompt][n:n + self.k]
         if drafts and self.calls % 3 == 0:
             drafts[-1] = (drafts[-1] + 1) % VOCAB_SIZE
         return drafts
+
+    def remove(self, seq_id: int) -> None:
+        pass
 
 
 def run_with_oracle(model_dir, prompts, params, continuations):

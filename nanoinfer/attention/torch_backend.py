@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoinfer.attention.metadata import AttentionMetadata
+from nanoinfer.utils import cdiv
 
 
 class TorchAttentionBackend:
@@ -35,7 +36,7 @@ class TorchAttentionBackend:
         for i, len_k in enumerate(lens_k):
             q = query[cu_q[i]:cu_q[i + 1]].transpose(0, 1)              # [heads, q, d]
             len_q = q.shape[1]
-            blocks = meta.block_tables[i, :-(-len_k // block_size)]
+            blocks = meta.block_tables[i, :cdiv(len_k, block_size)]
             k = k_cache[blocks].flatten(0, 1)[:len_k].transpose(0, 1)   # [kv_heads, k, d]
             v = v_cache[blocks].flatten(0, 1)[:len_k].transpose(0, 1)
             mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(len_k - len_q)

@@ -22,12 +22,15 @@ from collections import OrderedDict
 import numpy as np
 
 from nanoinfer.core.sequence import Sequence
+from nanoinfer.utils import cdiv
 
 
 class BlockManager:
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 max_model_len: int | None = None):
         self.block_size = block_size
+        self.max_model_len = max_model_len or num_blocks * block_size   # no slot past it
         self.enable_prefix_caching = enable_prefix_caching
         self.num_blocks = num_blocks
         # one number per block, not one object: a small model on a large GPU has tens of millions
@@ -55,14 +58,15 @@ class BlockManager:
             computed.append(block_id)
         return computed
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       computed_blocks: list[int] = ()) -> list[int] | None:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (),
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
         """Give `seq` blocks for `num_new_tokens` more tokens, starting with the cached
-        `computed_blocks` on first admission. Returns the blocks appended to its table (often
-        none: a decode usually fits in the blocks it has), or None when they do not fit; then
-        nothing has changed."""
-        num_total = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        num_needed = -(-num_total // self.block_size) - len(seq.block_table) - len(computed_blocks)
+        `computed_blocks` on first admission, and for `num_lookahead_tokens` slots past them
+        (EAGLE's drafts write there) within max_model_len. Returns the blocks appended to its
+        table (often none: a decode usually fits in the blocks it has), or None when they do not
+        fit; then nothing has changed."""
+        num_needed = self.num_blocks_needed(seq, num_new_tokens, num_lookahead_tokens,
+                                            computed_blocks)
         if num_needed <= 0 and not computed_blocks:
             return []
         num_revived = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
@@ -78,6 +82,20 @@ class BlockManager:
         new_blocks = list(computed_blocks) + [self._pop_free_block() for _ in range(num_needed)]
         seq.block_table += new_blocks
         return new_blocks
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, num_lookahead_tokens: int = 0
+                     ) -> bool:
+        """Would `allocate_slots` find room for these tokens of running `seq`?"""
+        return self.num_blocks_needed(seq, num_new_tokens, num_lookahead_tokens) \
+            <= self.num_free_blocks
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, num_lookahead_tokens: int = 0,
+                          computed_blocks: list[int] = ()) -> int:
+        """The blocks `seq` lacks for these tokens (negative: it has more than enough)."""
+        num_tokens = seq.num_computed_tokens + len(computed_blocks) * self.block_size \
+            + num_new_tokens
+        num_slots = max(min(num_tokens + num_lookahead_tokens, self.max_model_len), num_tokens)
+        return cdiv(num_slots, self.block_size) - len(seq.block_table) - len(computed_blocks)
 
     def _pop_free_block(self) -> int:
         if self.next_unused < self.num_blocks:

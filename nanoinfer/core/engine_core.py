@@ -43,7 +43,41 @@ from nanoinfer.structured_output import Grammar, StructuredOutputManager
 from nanoinfer.worker.model_runner import ModelRunner
 
 
-atexit.register(gc.unfreeze)   # what EngineCore froze is freed at exit (extensions check for leaks)
+# what EngineCore froze is freed at exit (extensions check for leaks)
+atexit.register(gc.unfreeze)
+
+
+class StepsInFlight:
+    """The launched steps whose outputs the scheduler has not taken yet, oldest first (vLLM's
+    batch queue): async scheduling's one, or one per pipeline stage."""
+
+    def __init__(self, scheduler: Scheduler, config: Config):
+        self.scheduler, self.steps = scheduler, deque()
+        pp = config.pipeline_parallel_size
+        self.max_steps = pp if pp > 1 else int(config.async_scheduling)
+        self.disjoint = pp > 1   # do the steps in flight hold disjoint sequences?
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def append(self, output) -> None:
+        """A step just launched: its output, `get_output()` to wait for it."""
+        self.steps.append(output)
+
+    def clear(self) -> None:
+        self.steps.clear()
+
+    def finish(self, keep: int) -> list[EngineCoreOutput]:
+        """Wait for the oldest steps until `keep` are left; their outputs, processed."""
+        outputs = []
+        while len(self.steps) > keep:
+            outputs += self.scheduler.update_from_output(self.steps.popleft().get_output())
+        return outputs
+
+    def finish_for_grammar(self) -> list[EngineCoreOutput]:
+        """Before a step's grammar masks, the steps whose tokens its grammars must have seen:
+        under async scheduling the one in flight; pipelined, none holds its sequences."""
+        return [] if self.disjoint else self.finish(keep=0)
 
 
 class EngineCore:
@@ -58,13 +92,11 @@ class EngineCore:
         if config.world_size > 1:   # the workers stop with the core, or at interpreter exit
             weakref.finalize(self, self.model_executor.shutdown)
         block_manager = BlockManager(self.model_executor.num_kvcache_blocks, config.block_size,
-                                     config.enable_prefix_caching)
+                                     config.enable_prefix_caching, config.max_model_len)
         self.scheduler = Scheduler(config, block_manager, self.kv_connector)
         self.structured_output = StructuredOutputManager(tokenizer, config.hf_config.vocab_size,
                                                          config.eos_token_ids)
-        self.in_flight: deque = deque()   # the outputs of launched steps (`get_output()` waits)
-        pp = config.pipeline_parallel_size   # steps left in flight: one per stage, or async scheduling's one
-        self.max_in_flight = pp if pp > 1 else int(config.async_scheduling)
+        self.in_flight = StepsInFlight(self.scheduler, config)
         self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for progress bars
         self.num_requests_added = self.num_aborted_seqs = 0
         # The hundreds of thousands of objects start-up made (modules, the tokenizer, parameters) live
@@ -93,30 +125,30 @@ class EngineCore:
         return bool(self.scheduler.requests or self.in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule a step and launch it; return the outputs of the steps that are done."""
+        outputs = self.scheduler.take_unstepped_outputs()
         sched = self.scheduler.schedule()
-        core_outputs, self.scheduler.unstepped_outputs = self.scheduler.unstepped_outputs, []
-        if self.scheduler.pipelined and not sched.num_scheduled_tokens and not sched.scheduled_new_reqs \
-                and self.in_flight:
-            # everything runnable is in flight: wait for the oldest step (the ids go with the next)
-            self.scheduler.finished_seq_ids |= sched.finished_seq_ids | sched.preempted_seq_ids
-            self.num_prefill_tokens = self.num_decode_tokens = 0
-            return core_outputs + self.scheduler.update_from_output(self.in_flight.popleft().get_output())
-        self.model_executor.execute_model(sched)
-        grammar = None
-        if self.scheduler.has_guided(sched):   # their states must have seen the step in flight's tokens
-            while self.in_flight and not self.scheduler.pipelined:   # (pipelined: none of theirs is)
-                core_outputs += self.scheduler.update_from_output(self.in_flight.popleft().get_output())
-            grammar = self.structured_output.grammar_bitmask(self.scheduler.requests, sched)
-        elif not sched.num_scheduled_tokens and self.scheduler.waiting and not self.in_flight:
-            self.structured_output.wait_for_compilation(self.scheduler.waiting)
-        self.in_flight.append(self.model_executor.sample_tokens(grammar))
         self.num_prefill_tokens = sum(n for n in sched.num_scheduled_tokens.values() if n > 1)
         self.num_decode_tokens = sum(1 for n in sched.num_scheduled_tokens.values() if n == 1)
+        if sched.is_empty:   # everything runnable is in flight, or nothing is runnable yet
+            return outputs + self.wait_for_work()
+        executed = self.model_executor.execute_model(sched)
+        grammar = None
+        if self.scheduler.has_guided(sched):   # structured output
+            outputs += self.in_flight.finish_for_grammar()
+            grammar = self.structured_output.grammar_bitmask(self.scheduler.guided_samples(sched))
+        self.in_flight.append(self.model_executor.sample_tokens(executed, grammar))
         # async scheduling leaves the step just launched in flight and finishes the one before
-        keep = self.max_in_flight if sched.num_scheduled_tokens else 0
-        while len(self.in_flight) > keep:
-            core_outputs += self.scheduler.update_from_output(self.in_flight.popleft().get_output())
-        return core_outputs
+        keep = self.in_flight.max_steps if sched.num_scheduled_tokens else 0
+        return outputs + self.in_flight.finish(keep)
+
+    def wait_for_work(self) -> list[EngineCoreOutput]:
+        """With nothing to launch: the outputs of the oldest step in flight, or a short wait for
+        a grammar to compile."""
+        if self.in_flight:
+            return self.in_flight.finish(keep=len(self.in_flight) - 1)
+        self.structured_output.wait_for_compilation()
+        return []
 
     def stats(self) -> SchedulerStats:
         bm = self.scheduler.block_manager
@@ -135,11 +167,11 @@ class EngineCore:
     def abort_all(self) -> None:
         """Abort every request. A step cut off half-way may have entered blocks in the prefix
         cache whose keys and values were never computed, so the prefix cache is emptied too."""
-        self.structured_output.rows.clear()   # the runner may have missed a step's masks ...
+        self.structured_output.reset()
         self.in_flight.clear()
         self.abort_requests(list(self.scheduler.requests))
         self.scheduler.block_manager.reset_prefix_cache()
-        self.model_executor.reset()   # ... or its message
+        self.model_executor.reset()
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the tensor-parallel workers and free the model and its KV cache. Idempotent."""

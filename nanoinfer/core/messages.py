@@ -36,7 +36,8 @@ from nanoinfer.sampling_params import SamplingParams
 @dataclass
 class NewRequestData:
     seq_id: int
-    token_ids: list[int]          # every known token: the prompt, and the output so far when resumed
+    # every known token: the prompt, and the output so far when resumed
+    token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
     block_ids: list[int]
@@ -56,8 +57,10 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
-    num_scheduled_tokens: dict[int, int] = field(default_factory=dict)   # seq_id -> tokens; step order
-    finished_seq_ids: set[int] = field(default_factory=set)    # finished or aborted since the last step
+    # seq_id -> tokens; step order
+    num_scheduled_tokens: dict[int, int] = field(default_factory=dict)
+    # finished or aborted since the last step
+    finished_seq_ids: set[int] = field(default_factory=set)
     preempted_seq_ids: set[int] = field(default_factory=set)   # preempted by this step
     # seq_id -> the draft tokens scored after its known tokens (speculative decoding)
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
@@ -70,6 +73,11 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to compute and no KV blocks to load: no step to run."""
+        return not self.num_scheduled_tokens and not self.kv_loads
+
 
 @dataclass
 class LogprobsLists:
@@ -77,13 +85,15 @@ class LogprobsLists:
     first, then the top N (N = the most any row asked)."""
     logprob_token_ids: list[list[int]]
     logprobs: list[list[float]]
-    sampled_token_ranks: list[int]   # the sampled token's rank in the whole vocabulary (1 = the top)
+    # the sampled token's rank in the whole vocabulary (1 = the top)
+    sampled_token_ranks: list[int]
 
 
 @dataclass
 class ModelRunnerOutput:
     seq_ids: list[int] = field(default_factory=list)                   # the sampled requests
-    sampled_token_ids: list[list[int]] = field(default_factory=list)   # each one's new tokens, in order
+    # each one's new tokens, in order
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: LogprobsLists | None = None
     spec_token_ids: list[list[int]] | None = None   # each one's drafts for the next step
     kv_loaded: dict[int, int] | None = None   # seq_id -> how many of its kv_loads blocks are good

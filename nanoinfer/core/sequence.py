@@ -34,7 +34,8 @@ def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
 class SequenceStatus(Enum):
     WAITING_FOR_FSM = auto()   # its grammar (structured output) is still being compiled
     WAITING = auto()
-    WAITING_FOR_REMOTE_KVS = auto()   # admitted: its prompt's KV blocks are being loaded (kv_transfer/)
+    # admitted: its prompt's KV blocks are being loaded (kv_transfer/)
+    WAITING_FOR_REMOTE_KVS = auto()
     RUNNING = auto()
     FINISHED = auto()
 
@@ -50,7 +51,8 @@ class Sequence:
         self.max_tokens = max_tokens       # sampling_params.max_tokens, or what max_model_len fits
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission
+        # prompt tokens found in the prefix cache at admission
+        self.num_cached_tokens: int | None = None
         self.num_output_placeholders = 0   # tokens being sampled by steps still in flight
         self.num_tokens_sent = 0           # known tokens already sent to the model runner
         self.spec_token_ids: list[int] = []   # drafts proposed for the next step

@@ -27,10 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from nanoinfer.config import Config
 from nanoinfer.engine.core_client import EngineCoreClient
-from nanoinfer.engine.input_processor import InputProcessor, PromptType
 from nanoinfer.engine.exceptions import EngineDeadError
-from nanoinfer.engine.llm_engine import load_tokenizer
-from nanoinfer.engine.output_processor import OutputProcessor
+from nanoinfer.engine.front_end import FrontEnd
+from nanoinfer.engine.input_processor import PromptType
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -82,15 +81,13 @@ def is_heavy(prompt: PromptType, params) -> bool:
     return isinstance(prompt, str) and len(prompt) > LONG_TEXT
 
 
-class AsyncLLM:
+class AsyncLLM(FrontEnd):
 
     def __init__(self, model: str, data_parallel_size: int = 1, **kwargs):
-        self.config = Config(model, **kwargs)
-        self.tokenizer = load_tokenizer(self.config)
-        self.input_processor = InputProcessor(self.config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        super().__init__(Config(model, **kwargs))   # the tokenizer, the input and output processors
         self.streams: dict[str, RequestStream] = {}
-        self.loop: asyncio.AbstractEventLoop | None = None   # the caller's, from the first request on
+        # the caller's, from the first request on
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.errors: dict[int, EngineDeadError] = {}   # the cores that died, and why
         self.inputs = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-inputs")
         # a server's metrics: stat_logger(core rank, SchedulerStats or None, EngineCoreOutputs,
@@ -144,7 +141,8 @@ class AsyncLLM:
 
     def on_message(self, rank: int, message: tuple) -> None:
         """From the client's reader thread: go on in the event loop's."""
-        if message[0] == "dead" and rank not in self.errors:   # (its traceback is in the server's log)
+        # (its traceback is in the server's log)
+        if message[0] == "dead" and rank not in self.errors:
             reason = message[1].strip().splitlines()[-1] if message[1].strip() else "no reason given"
             self.errors[rank] = EngineDeadError(f"engine core {rank} died ({reason})")
         try:

@@ -65,7 +65,7 @@ def run_engine_core(config: Config, conn) -> None:
         return kind != "shutdown"
 
     try:
-        from nanoinfer.engine.llm_engine import load_tokenizer
+        from nanoinfer.engine.front_end import load_tokenizer
         core = EngineCore(config, load_tokenizer(config))
         conn.send(("ready", None))
         while True:
@@ -111,7 +111,8 @@ class EngineCoreClient:
         if data_parallel_size > 1 and config.kv_transfer and config.kv_transfer.kv_connector == "P2pConnector":
             raise ValueError("P2pConnector pairs one engine core with one peer over one port: it "
                              "takes data_parallel_size=1 (SharedStorageConnector serves several)")
-        ctx = mp.get_context("spawn")   # (a weak reference: the reader thread must not keep the engine alive)
+        # (a weak reference: the reader thread must not keep the engine alive)
+        ctx = mp.get_context("spawn")
         self.on_message, self.conns, self.procs = weakref.WeakMethod(on_message), [], []
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = core_gpus(data_parallel_size, config.world_size) if config.device == "cuda" else None
@@ -131,7 +132,8 @@ class EngineCoreClient:
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = visible
         self.alive, self.closing, self.reader = [True] * data_parallel_size, False, None
-        self.outboxes = [queue.SimpleQueue() for _ in self.conns]   # each core's, for its writer thread
+        # each core's, for its writer thread
+        self.outboxes = [queue.SimpleQueue() for _ in self.conns]
         for rank in range(data_parallel_size):
             threading.Thread(target=self.write, args=(rank,), name=f"nanoinfer-core-writer-{rank}", daemon=True).start()
         try:   # wait for every core to start (Ctrl-C meanwhile: stop them)
@@ -157,7 +159,8 @@ class EngineCoreClient:
         if not live:
             raise EngineDeadError("every engine core has died")
         rank = min(live, key=self.load)
-        self.send(rank, ("add", request))   # (first: a message that cannot be pickled leaves no trace)
+        # (first: a message that cannot be pickled leaves no trace)
+        self.send(rank, ("add", request))
         self.owner[request.request_id] = rank
         self.num_sent[rank] += 1
 
@@ -213,9 +216,11 @@ class EngineCoreClient:
                     continue
                 try:
                     self.deliver(rank, conn.recv())
-                    while source is not conn and self.alive[rank]:   # its process ended: all it left
+                    # its process ended: all it left
+                    while source is not conn and self.alive[rank]:
                         self.deliver(rank, conn.recv())
-                except (EOFError, OSError):   # ... up to the end; if no word of why, say how it ended
+                # ... up to the end; if no word of why, say how it ended
+                except (EOFError, OSError):
                     if self.alive[rank]:
                         self.procs[rank].join(1)
                         self.deliver(rank, ("dead", f"its process ended (exit code {self.procs[rank].exitcode})"))

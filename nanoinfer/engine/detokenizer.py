@@ -39,8 +39,10 @@ class IncrementalDetokenizer:
         self.num_output_tokens += len(new_token_ids)
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset:])
-        if new_text == prefix_text and self.skipped.issuperset(new_token_ids):   # skipped special tokens:
-            del self.token_ids[self.read_offset:]   # forget them, or the window grows with each (EOS with ignore_eos)
+        # skipped special tokens:
+        if new_text == prefix_text and self.skipped.issuperset(new_token_ids):
+            # forget them, or the window grows with each (EOS with ignore_eos)
+            del self.token_ids[self.read_offset:]
             return None
         if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not finished):
             return None

@@ -17,13 +17,11 @@ tensor parallelism it may have cut a message to the workers in half, so it stops
 """
 from collections.abc import Iterable
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
 from nanoinfer.config import Config
 from nanoinfer.core.engine_core import EngineCore
 from nanoinfer.engine.exceptions import EngineDeadError
-from nanoinfer.engine.input_processor import InputProcessor, PromptType
-from nanoinfer.engine.output_processor import OutputProcessor
+from nanoinfer.engine.front_end import FrontEnd
+from nanoinfer.engine.input_processor import PromptType
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import SamplingParams
 
@@ -33,13 +31,10 @@ from nanoinfer.sampling_params import SamplingParams
 STEP_CUT_OFF = EngineDeadError("a step was cut off half-way (Ctrl-C twice?): its state is unknown")
 
 
-class LLMEngine:
+class LLMEngine(FrontEnd):
 
     def __init__(self, config: Config):
-        self.config = config
-        self.tokenizer = load_tokenizer(config)
-        self.input_processor = InputProcessor(config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        super().__init__(config)   # the tokenizer, the input and output processors
         self.engine_core = EngineCore(config, self.tokenizer)
         core = self.engine_core   # (its parts, for tests and bench.py's timers)
         self.scheduler, self.model_executor, self.structured_output = \
@@ -108,12 +103,3 @@ class LLMEngine:
         self.abort_request(list(self.output_processor.requests))
         self.engine_core.abort_all()
 
-
-def load_tokenizer(config: Config) -> PreTrainedTokenizerBase | None:
-    """The model's tokenizer (None with skip_tokenizer_init)."""
-    if config.skip_tokenizer_init:
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(config.model)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load a tokenizer from {config.model!r}: {e}") from e

@@ -129,7 +129,8 @@ class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
-        self.seqs: dict[int, tuple[RequestState, CompletionState]] = {}   # seq_id -> its request, sample
+        # seq_id -> its request, sample
+        self.seqs: dict[int, tuple[RequestState, CompletionState]] = {}
 
     def add_request(self, prompt: str | None, request: EngineCoreRequest) -> None:
         """Follow a request the core is about to run; its id must not be a live request's."""

@@ -82,7 +82,8 @@ class MessageQueue:
                 self.shm.unlink()   # the name goes now, the memory once every process has detached
         finally:
             self.written.clear()   # the last references: the named semaphores are removed (the
-            self.free.clear()      # lists, not the semaphores, are what a failed wait's traceback holds)
+            # lists, not the semaphores, are what a failed wait's traceback holds)
+            self.free.clear()
             with contextlib.suppress(BufferError):   # a thread being stopped still reads a slot
                 self.shm.close()
 

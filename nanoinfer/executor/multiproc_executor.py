@@ -84,7 +84,8 @@ class MultiprocExecutor:
                 self.workers[-1].start()
             self.responses.as_reader(0)
             threading.Thread(target=self.monitor_workers, daemon=True).start()
-            self.num_kvcache_blocks = self.responses.dequeue(self.check_health)   # the driver is ready
+            # the driver is ready
+            self.num_kvcache_blocks = self.responses.dequeue(self.check_health)
         except BaseException as e:
             self.shutdown(graceful=False)
             if isinstance(e, WorkerDiedError) and self.setting_error is not None:
@@ -92,10 +93,11 @@ class MultiprocExecutor:
             raise
 
     def execute_model(self, sched: SchedulerOutput) -> None:
+        """Every rank runs the step (each keeps its executed step for `sample_tokens`)."""
         self.check_health()
         self.queue.enqueue(("execute_model", (sched,)), self.check_health)
 
-    def sample_tokens(self, grammar: GrammarOutput | None = None) -> "FutureOutput":
+    def sample_tokens(self, executed: None, grammar: GrammarOutput | None = None) -> "FutureOutput":
         self.check_health()
         self.queue.enqueue(("sample_tokens", (grammar,)), self.check_health)
         return FutureOutput(self)
@@ -197,11 +199,17 @@ def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue
         if driver:
             responses.enqueue(runner.num_kvcache_blocks, check=lambda: None)
             threading.Thread(target=send_outputs, args=(outputs, responses, errors, rank), daemon=True).start()
+        executed = None   # the step executed last, for its sample_tokens
         while (call := calls.dequeue(check=lambda: None))[0] != "shutdown":
             method, args = call
-            result = getattr(runner, method)(*args)
-            if driver and method == "sample_tokens":
-                outputs.put(result)
+            if method == "execute_model":
+                executed = runner.execute_model(*args)
+            elif method == "sample_tokens":
+                output = runner.sample_tokens(executed, *args)
+                if driver:
+                    outputs.put(output)
+            else:
+                getattr(runner, method)(*args)
         if runner.kv_connector is not None:   # (a producer's queued blocks are saved first)
             runner.kv_connector.shutdown()
         if runner.device.type == "cuda":   # the last step's collectives finish on every rank

@@ -41,8 +41,10 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlen
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    end = tl.minimum(context_len, prefix + (m_block + 1) * BLOCK_M)   # past the last query: never seen
-    full_end = prefix + m_block * BLOCK_M                             # before the first query: all seen
+    # past the last query: never seen
+    end = tl.minimum(context_len, prefix + (m_block + 1) * BLOCK_M)
+    # before the first query: all seen
+    full_end = prefix + m_block * BLOCK_M
     for n0 in range(0, end, BLOCK_N):
         pos = n0 + offs_n
         valid = pos < end

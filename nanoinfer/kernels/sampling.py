@@ -29,10 +29,12 @@ def gumbel_max_kernel(logits_ptr, temperatures_ptr, seeds_ptr, best_ptr, best_id
         offs = off + tl.arange(0, BLOCK)
         mask = offs < vocab_size
         x = tl.load(logits_ptr + row * row_stride + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-        if temperature > 0:   # one Philox call gives 32 random bits for each of 4 neighbouring tokens
+        # one Philox call gives 32 random bits for each of 4 neighbouring tokens
+        if temperature > 0:
             r0, r1, r2, r3 = tl.randint4x(seed, off // 4 + tl.arange(0, BLOCK // 4))
             bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK])
-            u = (bits >> 8).to(tl.float32) * (1.0 / (1 << 24))   # uniform on [0, 1) in steps of 2^-24
+            # uniform on [0, 1) in steps of 2^-24
+            u = (bits >> 8).to(tl.float32) * (1.0 / (1 << 24))
             x -= tl.log(-tl.log(u))
         better = mask & (x > best)
         best = tl.where(better, x, best)

@@ -11,6 +11,7 @@ from torch import nn
 
 from nanoinfer.distributed import get_tp_group
 from nanoinfer.layers.linear import copy_shard
+from nanoinfer.utils import cdiv
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -20,13 +21,14 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_group = get_tp_group()
         self.tp_rank, self.tp_size = self.tp_group.rank_in_group, self.tp_group.world_size
         self.num_embeddings = num_embeddings
-        self.num_per_partition = -(-num_embeddings // self.tp_size)
+        self.num_per_partition = cdiv(num_embeddings, self.tp_size)
         self.vocab_start = self.tp_rank * self.num_per_partition
         self.weight = nn.Parameter(torch.zeros(self.num_per_partition, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded_weight) -> None:
-        rows = max(0, min(self.num_per_partition, self.num_embeddings - self.vocab_start))   # the last is short
+        # the last is short
+        rows = max(0, min(self.num_per_partition, self.num_embeddings - self.vocab_start))
         copy_shard(param.data[:rows], loaded_weight, 0, self.vocab_start, self.num_embeddings)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

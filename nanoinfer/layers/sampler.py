@@ -34,7 +34,8 @@ from nanoinfer.kernels.sampling import gumbel_max_sample
 @dataclass
 class Penalties:
     rows: torch.Tensor         # int64 [p]: the rows that have a penalty
-    token_ids: torch.Tensor    # int64 [p, L]: each one's tokens so far (prompt, output), padded with vocab_size
+    # int64 [p, L]: each one's tokens so far (prompt, output), padded with vocab_size
+    token_ids: torch.Tensor
     is_output: torch.Tensor    # bool [p, L]: which of them are output tokens
     presence: torch.Tensor     # float32 [p]
     frequency: torch.Tensor    # float32 [p]
@@ -47,20 +48,23 @@ class SamplingMetadata:
     top_ks: torch.Tensor | None         # int64 [rows]; 0 = off; None when no row uses it
     top_ps: torch.Tensor | None         # float32 [rows]; 1 = off
     min_ps: torch.Tensor | None         # float32 [rows]; 0 = off
-    seeds: torch.Tensor                 # int64 [rows]: each row's random draw depends on its seed alone
+    # int64 [rows]: each row's random draw depends on its seed alone
+    seeds: torch.Tensor
     all_greedy: bool
     max_num_logprobs: int | None        # the most top-N logprobs any row asked for
     # (rows, token ids, values) added to the logits: logit_bias, and -inf for tokens blocked
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     penalties: Penalties | None = None
-    grammar_masks: torch.Tensor | None = None   # int32 [table rows, ceil(vocab / 32)]: allowed tokens ...
+    # int32 [table rows, ceil(vocab / 32)]: allowed tokens ...
+    grammar_masks: torch.Tensor | None = None
     grammar_rows: torch.Tensor | None = None    # int32 [rows]: ... each row's mask (0: all)
 
 
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor                # int64 [rows, 1]: a row's tokens, in order
-    logprob_token_ids: torch.Tensor | None = None  # int64 [rows, 1 + N]: the sampled token, then the top N
+    # int64 [rows, 1 + N]: the sampled token, then the top N
+    logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None           # float32 [rows, 1 + N]
     sampled_token_ranks: torch.Tensor | None = None   # int64 [rows]: 1 = the most likely token
 
@@ -69,7 +73,8 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
     """Repetition, frequency and presence penalties, in place, on the rows that have them."""
     vocab = logits.shape[1]
     num_rows = pen.token_ids.shape[0]
-    output_ids = torch.where(pen.is_output, pen.token_ids, vocab)   # the padding column counts nothing
+    # the padding column counts nothing
+    output_ids = torch.where(pen.is_output, pen.token_ids, vocab)
     counts = torch.zeros(num_rows, vocab + 1, device=logits.device).scatter_add_(
         1, output_ids, torch.ones_like(output_ids, dtype=torch.float32))[:, :vocab]
     seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device).scatter_(

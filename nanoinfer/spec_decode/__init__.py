@@ -14,3 +14,20 @@ holds an unverified token is never entered in the prefix cache. While speculatin
 scheduling is off: the next step's positions, blocks and drafts depend on how many tokens this
 step accepted, so the host must know them before it schedules.
 """
+
+
+def make_drafter(config, target, tp_group):
+    """The model runner's drafter: EAGLE's layer (on every rank), Medusa's heads (on the rank
+    that samples), or None (n-gram drafts are the scheduler's). Both have `propose(step,
+    hidden_states, last_rows, emitted)` -> the next step's drafts [requests, k]."""
+    spec = config.speculative
+    if spec is None or spec.method == "ngram":
+        return None
+    hf, k = config.hf_config, spec.num_speculative_tokens
+    if spec.method == "eagle":
+        from nanoinfer.spec_decode.eagle import EagleProposer
+        return EagleProposer(spec.model, k, target, hf, config.max_model_len, config.block_size,
+                             tp_group)
+    from nanoinfer.spec_decode.medusa import Medusa
+    return Medusa(spec.model, k, hf.hidden_size, hf.vocab_size) if tp_group.rank_in_group == 0 \
+        else None

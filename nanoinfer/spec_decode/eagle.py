@@ -52,34 +52,42 @@ class EagleModel(nn.Module):
 
 class EagleProposer:
 
-    def __init__(self, path: str, k: int, target: nn.Module, target_config, max_model_len: int, block_size: int):
+    def __init__(self, path: str, k: int, target: nn.Module, target_config, max_model_len: int,
+                 block_size: int, tp_group):
         config = AutoConfig.from_pretrained(path)
         shape = lambda c: (c.hidden_size, c.num_key_value_heads, head_dim(c))  # noqa: E731
         if shape(config) != shape(target_config):
             raise ValueError(f"the EAGLE head in {path!r} has (hidden_size, num_key_value_heads, head_dim) = "
                              f"{shape(config)}, the model {shape(target_config)}: they must be equal")
         self.k, self.target, self.max_model_len, self.block_size = k, target, max_model_len, block_size
+        self.tp_group = tp_group
         self.model = EagleModel(config, max_model_len + k)
         load_model(self.model, path)
 
-    def propose(self, step, hidden_states: torch.Tensor, last_rows: torch.Tensor, emitted: torch.Tensor,
-                tp_group) -> torch.Tensor:
+    def modules(self):
+        """The draft layer's modules (its attention layer has a KV cache of its own)."""
+        return self.model.modules()
+
+    def propose(self, step, hidden_states: torch.Tensor, last_rows: torch.Tensor,
+                emitted: torch.Tensor) -> torch.Tensor | None:
         """step: the StepInputs just run; hidden_states: the target's, every position [tokens, H];
         last_rows: each sampling request's last verified position (flat index); emitted: its last
         emitted token. Returns the drafts [requests, k] (on every rank)."""
-        input_ids = torch.cat([step.input_ids[1:], step.input_ids[-1:]])   # each position's next token
+        # each position's next token
+        input_ids = torch.cat([step.input_ids[1:], step.input_ids[-1:]])
         input_ids[step.last_rows] = step.next_token_ids   # a chunk's next prompt token
         input_ids[last_rows] = emitted
         with set_forward_context(step.attn_metadata):
             out = self.model(self.target.model.embed_tokens(input_ids), hidden_states, step.positions)
-        if not len(last_rows):   # nobody samples: the pass only wrote the new positions' keys and values
+        # nobody samples: the pass only wrote the new positions' keys and values
+        if not len(last_rows):
             return None
         hidden_states, positions, drafts = out[last_rows], step.positions[last_rows], []
         while True:
             logits = self.target.compute_logits(hidden_states)   # the first rank's only
             draft = logits.argmax(-1) if logits is not None else \
                 torch.empty(len(last_rows), dtype=torch.int64, device=out.device)
-            drafts.append(tp_group.broadcast(draft))
+            drafts.append(self.tp_group.broadcast(draft))
             if len(drafts) == self.k:
                 return torch.stack(drafts, dim=1)
             positions = positions + 1   # the next pass: one position per request

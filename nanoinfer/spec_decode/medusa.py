@@ -55,9 +55,12 @@ class Medusa(nn.Module):
         self.skipped_weights = tuple(f"{m}.{i}." for i in range(k, num_heads) for m in ("blocks", "lm_heads"))
         load_model(self, path)   # the names above are the checkpoint's; heads beyond k are skipped
 
-    def propose(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states: [seqs, hidden] -> drafts int64 [seqs, k]."""
-        return torch.stack([lm_head(block(hidden_states)).argmax(-1)
+    def propose(self, step, hidden_states: torch.Tensor, last_rows: torch.Tensor,
+                emitted: torch.Tensor) -> torch.Tensor:
+        """hidden_states: the target's [tokens, hidden]; last_rows: the sampling requests' last
+        emitted positions -> drafts int64 [requests, k] (the step and its tokens are not needed)."""
+        last = hidden_states[last_rows]
+        return torch.stack([lm_head(block(last)).argmax(-1)
                             for block, lm_head in zip(self.blocks, self.lm_heads)], dim=1)
 
 

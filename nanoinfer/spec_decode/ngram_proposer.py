@@ -10,31 +10,33 @@ The search: every earlier position holding the last token is a candidate end of 
 candidates are extended backwards one token at a time (a numpy mask each time), and the longest
 match wins, the earliest among equals. A match may overlap the suffix itself (periodic text).
 """
-import weakref
-
 import numpy as np
-
-from nanoinfer.core.sequence import Sequence
 
 
 class NgramProposer:
 
     def __init__(self, k: int, min_n: int, max_n: int, max_model_len: int):
         self.k, self.min_n, self.max_n, self.max_model_len = k, min_n, max_n, max_model_len
-        # each sequence's tokens as an int32 array, appended to as they come (a list converted
-        # every step would cost more than the search); gone with the sequence
-        self.arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # seq_id -> its tokens as an int32 array, appended to as they come (a list converted
+        # every step would cost more than the search), and how many it holds
+        self.arrays: dict[int, tuple[np.ndarray, int]] = {}
 
-    def propose(self, seq: Sequence) -> list[int]:
-        array, n = self.arrays.get(seq, (None, 0))
-        if array is None or len(array) < seq.num_tokens:
-            grown = np.empty(max(seq.num_tokens, min(2 * seq.num_tokens, self.max_model_len)), np.int32)
+    def propose(self, seq_id: int, token_ids: list[int]) -> list[int]:
+        """Drafts to follow a sequence's tokens (which only ever grow)."""
+        array, n = self.arrays.get(seq_id, (None, 0))
+        num_tokens = len(token_ids)
+        if array is None or len(array) < num_tokens:
+            grown = np.empty(max(num_tokens, min(2 * num_tokens, self.max_model_len)), np.int32)
             grown[:n] = array[:n] if array is not None else []
             array = grown
-        array[n:seq.num_tokens] = seq.token_ids[n:]
-        self.arrays[seq] = array, seq.num_tokens
-        k = min(self.k, self.max_model_len - seq.num_tokens - 1)
-        return self.find(array[:seq.num_tokens], k) if k > 0 else []
+        array[n:num_tokens] = token_ids[n:]
+        self.arrays[seq_id] = array, num_tokens
+        k = min(self.k, self.max_model_len - num_tokens - 1)
+        return self.find(array[:num_tokens], k) if k > 0 else []
+
+    def remove(self, seq_id: int) -> None:
+        """Forget a finished sequence's tokens."""
+        self.arrays.pop(seq_id, None)
 
     def find(self, tokens: np.ndarray, k: int) -> list[int]:
         last = len(tokens) - 1

@@ -90,6 +90,7 @@ class StructuredOutputManager:
         self.next_row = 1
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-grammar")
         self.warmer = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-grammar-warm")
+        self.compiling: set[Future] = set()   # compilations submitted (some may be done)
         self.closed = False
 
     def compile(self, regex: str) -> Future:
@@ -99,7 +100,9 @@ class StructuredOutputManager:
             done = Future()
             done.set_result(index)
             return done
-        return self.executor.submit(self.token_index, regex)
+        future = self.executor.submit(self.token_index, regex)
+        self.compiling.add(future)
+        return future
 
     def token_index(self, regex: str) -> TokenIndex:
         if self.vocab is None:
@@ -114,21 +117,19 @@ class StructuredOutputManager:
             self.indexes[regex] = index
         return index
 
-    def grammar_bitmask(self, requests: dict, sched) -> GrammarOutput | None:
-        """The mask rows of the step's constrained requests that sample (those with a token in
-        flight: the step's own placeholder, once the step before has been processed)."""
+    def grammar_bitmask(self, samples: list[tuple[int, Grammar, list[int]]]
+                        ) -> GrammarOutput | None:
+        """The mask rows of a step's constrained requests that sample: (seq_id, grammar,
+        drafts) each, one row for its state now and one after each draft."""
         while self.evicted:   # grammars that left the cache: drop their rows, so they can be freed
             index = self.evicted.pop()
             self.rows = {key: row for key, row in self.rows.items() if key[0] is not index}
         seq_ids, num_rows, keys = [], [], []
-        for seq_id in sched.num_scheduled_tokens:
-            seq = requests.get(seq_id)
-            if seq is None or seq.grammar is None or not seq.num_output_placeholders:
-                continue
-            states = seq.grammar.states(sched.scheduled_spec_decode_tokens.get(seq_id, []))
+        for seq_id, grammar, drafts in samples:
+            states = grammar.states(drafts)
             seq_ids.append(seq_id)
             num_rows.append(len(states))
-            keys += [(seq.grammar.index, state) for state in states]
+            keys += [(grammar.index, state) for state in states]
         if not keys:
             return None
         new_keys = {key: None for key in keys if key not in self.rows}   # (in order, once each)
@@ -141,13 +142,16 @@ class StructuredOutputManager:
         return GrammarOutput(seq_ids, num_rows, [self.rows[key] for key in keys],
                              [self.rows[key] for key in new_keys], new_masks)
 
-    @staticmethod
-    def wait_for_compilation(waiting) -> None:
+    def wait_for_compilation(self) -> None:
         """Nothing to run but grammars compiling: wait for one a little, rather than spin."""
-        compiling = [seq.grammar.compiled for seq in waiting
-                     if seq.grammar is not None and seq.grammar.index is None]
-        if compiling:
-            wait(compiling, timeout=0.05, return_when=FIRST_COMPLETED)
+        self.compiling = {f for f in self.compiling if not f.done()}
+        if self.compiling:
+            wait(self.compiling, timeout=0.05, return_when=FIRST_COMPLETED)
+
+    def reset(self) -> None:
+        """Forget which masks the device holds (after an abort of everything, the runner may
+        have missed a step's)."""
+        self.rows.clear()
 
     def shutdown(self) -> None:
         self.closed = True

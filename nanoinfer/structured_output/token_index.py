@@ -24,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 from nanoinfer.structured_output.dfa import DFA
+from nanoinfer.utils import cdiv
 
 
 def byte_level_alphabet() -> dict[str, int]:
@@ -69,7 +70,7 @@ class Vocabulary:
         rows = np.repeat(np.arange(len(self.ids)), self.lengths)
         cols = np.arange(len(rows)) - np.repeat(np.cumsum(self.lengths) - self.lengths, self.lengths)
         self.matrix[rows, cols] = np.frombuffer(b"".join(token_bytes[i] for i in self.ids), np.uint8)
-        self.num_words = -(-self.size // 32)
+        self.num_words = cdiv(self.size, 32)
 
 
 class TokenIndex:
@@ -99,8 +100,10 @@ class TokenIndex:
         """Bool [vocab size]: the tokens allowed in `state`."""
         allowed = (self.next_states(state) if ends is None else ends) != 0
         if state == 0 or self.dfa.accepting[state] or not allowed.any():
-            allowed[self.vocab.eos_token_ids] = True   # (0: after an EOS that ignore_eos let pass; a state
-        return allowed                                 # no token leaves, in a vocabulary without all bytes)
+            # (0: after an EOS that ignore_eos let pass; a state
+            allowed[self.vocab.eos_token_ids] = True
+        # no token leaves, in a vocabulary without all bytes)
+        return allowed
 
     def bitmask(self, state: int, ends: np.ndarray | None = None) -> np.ndarray:
         """int32 [words]: bit t % 32 of word t // 32 set if token t is allowed."""

@@ -34,7 +34,8 @@ class AsyncModelRunnerOutput:
         (`rows_per_request` of them per request: its drafts and one; one each by default)."""
         self.seq_ids, self.sampled, self.copied = seq_ids, None, None
         self.kv_loaded: dict[int, int] | None = None   # a KV connector's blocks, loaded in the step
-        self.kv_saved: tuple | None = None   # (a KV connector's saver, the ticket of the step's saves)
+        # (a KV connector's saver, the ticket of the step's saves)
+        self.kv_saved: tuple | None = None
         # the step's prompt tokens' logprobs: (the layout, the rows)
         self.prompt_logprobs: tuple[list, tuple | None] | None = None
         self.rows_per_request = rows_per_request

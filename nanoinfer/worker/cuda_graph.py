@@ -30,7 +30,8 @@ class CUDAGraphRunner:
         self.context_lens, self.block_tables = zeros(n), zeros(n, max_blocks_per_seq)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         pair = lambda: (zeros(n, hidden_size, dtype=dtype), zeros(n, hidden_size, dtype=dtype))  # noqa: E731
-        self.intermediate = None if first_stage else pair()   # the previous stage's (hidden, residual)
+        # the previous stage's (hidden, residual)
+        self.intermediate = None if first_stage else pair()
         self.outputs = (zeros(n, hidden_size, dtype=dtype),) if last_stage else pair()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
