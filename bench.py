@@ -207,8 +207,8 @@ class StepTimer:
                 self.message = (num_seqs, len(pickle.dumps(sched)))
             return execute_model(sched)
 
-        def sample(grammar=None):
-            out = sample_tokens(grammar)
+        def sample(executed, grammar=None):
+            out = sample_tokens(executed, grammar)
             if on_gpu:
                 self.events[-1][1].record()
             return out

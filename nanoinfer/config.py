@@ -95,20 +95,19 @@ class Config:
         """The model's sizes must split evenly over the tensor-parallel ranks (KV heads may be
         replicated), and each pipeline stage must get at least one layer."""
         tp, pp, hf = self.tensor_parallel_size, self.pipeline_parallel_size, self.hf_config
-        if pp > hf.num_hidden_layers:
-            raise ValueError(f"pipeline_parallel_size={pp} is more than the model's "
-                             f"num_hidden_layers={hf.num_hidden_layers}")
-        kv_heads = hf.num_key_value_heads
+        require(pp <= hf.num_hidden_layers, f"pipeline_parallel_size={pp} is more than the "
+                f"model's num_hidden_layers={hf.num_hidden_layers}")
         for name, size in (("num_attention_heads", hf.num_attention_heads),
                            ("intermediate_size", getattr(hf, "intermediate_size", 0))):
-            if size % tp:
-                raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name}={size}")
-        if kv_heads % tp and tp % kv_heads:
-            raise ValueError(f"tensor_parallel_size={tp} neither divides nor is a multiple of the model's "
-                             f"num_key_value_heads={kv_heads}")
-        if self.device == "cuda" and torch.cuda.device_count() < self.world_size:
-            raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {self.world_size} "
-                             f"GPUs, this machine has {torch.cuda.device_count()}")
+            require(size % tp == 0,
+                    f"tensor_parallel_size={tp} does not divide the model's {name}={size}")
+        kv_heads = hf.num_key_value_heads
+        require(kv_heads % tp == 0 or tp % kv_heads == 0, f"tensor_parallel_size={tp} neither "
+                f"divides nor is a multiple of the model's num_key_value_heads={kv_heads}")
+        gpus = torch.cuda.device_count()
+        require(self.device != "cuda" or gpus >= self.world_size, f"tensor_parallel_size={tp} x "
+                f"pipeline_parallel_size={pp} needs {self.world_size} GPUs, this machine has "
+                f"{gpus}")
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -134,7 +133,8 @@ class Config:
             return getattr(torch, self.dtype)
         if self.device == "cpu":
             return torch.float32
-        dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        hf = self.hf_config
+        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         return torch.bfloat16 if dtype in (None, torch.float32) else dtype
@@ -153,64 +153,63 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpeculativeConfig":
-        if not isinstance(d, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
-        unknown = set(d) - {f for f in cls.__dataclass_fields__}
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; known: "
-                             f"{sorted(cls.__dataclass_fields__)}")
+        require(isinstance(d, dict), f"speculative_config must be a dict, got {type(d).__name__}")
+        known = sorted(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - set(known))
+        require(not unknown, f"speculative_config has unknown keys {unknown}; known: {known}")
         for key in ("method", "num_speculative_tokens"):
-            if key not in d:
-                raise ValueError(f"speculative_config needs {key!r}")
+            require(key in d, f"speculative_config needs {key!r}")
         spec = cls(**d)
-        if spec.method not in ("ngram", "eagle", "medusa"):
-            raise ValueError(f"speculative_config method must be 'ngram', 'eagle' or 'medusa', got {spec.method!r}")
+        require(spec.method in ("ngram", "eagle", "medusa"), "speculative_config method must be "
+                f"'ngram', 'eagle' or 'medusa', got {spec.method!r}")
         k = spec.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
-            raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {k!r}")
-        if spec.method == "ngram":
-            if spec.model is not None:
-                raise ValueError("speculative_config: 'model' is for eagle and medusa, not ngram")
-            if spec.prompt_lookup_max is None:
-                spec.prompt_lookup_max = 5 if spec.prompt_lookup_min is None else spec.prompt_lookup_min
-            if spec.prompt_lookup_min is None:
-                spec.prompt_lookup_min = spec.prompt_lookup_max
-            for key in ("prompt_lookup_max", "prompt_lookup_min"):
-                check_int(key, getattr(spec, key), 1)
-            if spec.prompt_lookup_min > spec.prompt_lookup_max:
-                raise ValueError(f"prompt_lookup_min={spec.prompt_lookup_min} is more than "
-                                 f"prompt_lookup_max={spec.prompt_lookup_max}")
-        else:
-            if spec.prompt_lookup_max is not None or spec.prompt_lookup_min is not None:
-                raise ValueError(f"prompt_lookup_min/max are for ngram, not {spec.method}")
-            if not isinstance(spec.model, str) or not os.path.isdir(spec.model):
-                raise ValueError(f"{spec.method} needs 'model': a folder with the draft head, got {spec.model!r}")
+        require(is_int(k, 1) and k <= 32,
+                f"num_speculative_tokens must be an integer in [1, 32], got {k!r}")
+        if spec.method != "ngram":
+            require(spec.prompt_lookup_max is None and spec.prompt_lookup_min is None,
+                    f"prompt_lookup_min/max are for ngram, not {spec.method}")
+            require(isinstance(spec.model, str) and os.path.isdir(spec.model), f"{spec.method} "
+                    f"needs 'model': a folder with the draft head, got {spec.model!r}")
+            return spec
+        require(spec.model is None,
+                "speculative_config: 'model' is for eagle and medusa, not ngram")
+        if spec.prompt_lookup_max is None:
+            spec.prompt_lookup_max = 5 if spec.prompt_lookup_min is None else spec.prompt_lookup_min
+        if spec.prompt_lookup_min is None:
+            spec.prompt_lookup_min = spec.prompt_lookup_max
+        for key in ("prompt_lookup_max", "prompt_lookup_min"):
+            check_int(key, getattr(spec, key), 1)
+        require(spec.prompt_lookup_min <= spec.prompt_lookup_max, f"prompt_lookup_min="
+                f"{spec.prompt_lookup_min} is more than prompt_lookup_max={spec.prompt_lookup_max}")
         return spec
 
 
 @dataclass
 class KVTransferConfig:
-    """`kv_transfer_config={"kv_connector": ..., "kv_role": ..., "kv_connector_extra_config": {...}}`,
-    vLLM's keys (kv_transfer/). SharedStorageConnector needs "shared_storage_path", P2pConnector
-    "kv_port" (and "kv_ip", default 127.0.0.1) and a role of kv_producer or kv_consumer."""
+    """`kv_transfer_config={"kv_connector": ..., "kv_role": ..., "kv_connector_extra_config":
+    {...}}`, vLLM's keys (kv_transfer/). SharedStorageConnector needs "shared_storage_path",
+    P2pConnector "kv_port" (and "kv_ip", default 127.0.0.1) and a role of kv_producer or
+    kv_consumer."""
     kv_connector: str
     kv_role: str
     extra_config: dict
 
     @classmethod
     def from_dict(cls, d: dict) -> "KVTransferConfig":
-        if not isinstance(d, dict) or set(d) - {"kv_connector", "kv_role", "kv_connector_extra_config"}:
-            raise ValueError("kv_transfer_config must be a dict of kv_connector, kv_role and "
-                             f"kv_connector_extra_config, got {d!r}")
-        spec = cls(d.get("kv_connector"), d.get("kv_role"), d.get("kv_connector_extra_config") or {})
-        if spec.kv_connector not in ("SharedStorageConnector", "P2pConnector"):
-            raise ValueError(f"kv_connector must be 'SharedStorageConnector' or 'P2pConnector', got {spec.kv_connector!r}")
-        roles = ("kv_producer", "kv_consumer") + ("kv_both",) * (spec.kv_connector == "SharedStorageConnector")
-        if spec.kv_role not in roles:
-            raise ValueError(f"kv_role must be one of {roles} for {spec.kv_connector}, got {spec.kv_role!r}")
-        need, kind = ("shared_storage_path", str) if spec.kv_connector == "SharedStorageConnector" else ("kv_port", int)
-        if not isinstance(spec.extra_config.get(need), kind):
-            raise ValueError(f"{spec.kv_connector} needs kv_connector_extra_config[{need!r}], a {kind.__name__}")
+        keys = {"kv_connector", "kv_role", "kv_connector_extra_config"}
+        require(isinstance(d, dict) and not set(d) - keys, "kv_transfer_config must be a dict of "
+                f"kv_connector, kv_role and kv_connector_extra_config, got {d!r}")
+        spec = cls(d.get("kv_connector"), d.get("kv_role"),
+                   d.get("kv_connector_extra_config") or {})
+        shared = spec.kv_connector == "SharedStorageConnector"
+        require(shared or spec.kv_connector == "P2pConnector", "kv_connector must be "
+                f"'SharedStorageConnector' or 'P2pConnector', got {spec.kv_connector!r}")
+        roles = ("kv_producer", "kv_consumer") + ("kv_both",) * shared
+        require(spec.kv_role in roles,
+                f"kv_role must be one of {roles} for {spec.kv_connector}, got {spec.kv_role!r}")
+        need, kind = ("shared_storage_path", str) if shared else ("kv_port", int)
+        require(isinstance(spec.extra_config.get(need), kind), f"{spec.kv_connector} needs "
+                f"kv_connector_extra_config[{need!r}], a {kind.__name__}")
         return spec
 
 
@@ -227,6 +226,12 @@ def stage_layers(num_layers: int, pipeline_parallel_size: int, stage: int) -> ra
     for i in range(num_layers % pipeline_parallel_size):
         sizes[-2 - i] += 1
     return range(sum(sizes[:stage]), sum(sizes[:stage + 1]))
+
+
+def require(ok: bool, message: str) -> None:
+    """A ValueError saying `message`, unless `ok`."""
+    if not ok:
+        raise ValueError(message)
 
 
 def is_int(value, minimum: int) -> bool:
@@ -258,15 +263,16 @@ def load_hf_config(model: str) -> PretrainedConfig:
     except Exception as e:   # transformers raises many kinds for a bad config.json
         if os.path.isdir(model):
             raise ValueError(f"malformed config in {model!r}: {e}") from e
-        raise ValueError(f"cannot load model {model!r}: no such local folder, and no model of that name "
-                         f"could be fetched from a hub ({e.__class__.__name__})") from e
+        raise ValueError(f"cannot load model {model!r}: no such local folder, and no model of "
+                         f"that name could be fetched from a hub ({e.__class__.__name__})") from e
     archs = getattr(hf_config, "architectures", None) or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(f"model {model!r} has architecture {archs or 'unknown'}; "
                          f"nanoinfer supports {', '.join(SUPPORTED_ARCHITECTURES)}")
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if not isinstance(getattr(hf_config, name, None), int):
-            raise ValueError(f"malformed config for model {model!r}: {name} is missing or not an integer")
+            raise ValueError(f"malformed config for model {model!r}: {name} is missing or not an "
+                             "integer")
     return hf_config
 
 

@@ -31,7 +31,7 @@ REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokeniz
 
 def cache_dir() -> str:
     """Where converted models live: ``$NANOINFER_CACHE`` or ``~/.cache/nanoinfer``."""
-    return os.environ.get("NANOINFER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "nanoinfer")
+    return os.environ.get("NANOINFER_CACHE") or os.path.expanduser("~/.cache/nanoinfer")
 
 
 def _is_complete(folder: str) -> bool:
@@ -85,9 +85,9 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                      else tokenizer.eos_token_id),
     )
     tokenizer.model_max_length = config.max_position_embeddings
     model.save_pretrained(out_dir)

@@ -27,41 +27,53 @@ class GuidedDecodingParams:
     def __post_init__(self):
         given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError(f"GuidedDecodingParams needs exactly one of json, regex and choice, got {given or 'none'}")
+            raise ValueError("GuidedDecodingParams needs exactly one of json, regex and choice, "
+                             f"got {given or 'none'}")
         ok = {"json": isinstance(self.json, (dict, str)), "regex": isinstance(self.regex, str),
               "choice": isinstance(self.choice, list) and bool(self.choice)
               and all(isinstance(c, str) for c in self.choice)}[given[0]]
         if not ok:
-            want = {"json": "a dict or a string", "regex": "a string", "choice": "a non-empty list of strings"}
+            want = {"json": "a dict or a string", "regex": "a string",
+                    "choice": "a non-empty list of strings"}
             raise ValueError(f"GuidedDecodingParams.{given[0]} must be {want[given[0]]}, "
                              f"got {getattr(self, given[0])!r}")
 
 
 @dataclass(kw_only=True)
 class SamplingParams:
-    # independent samples of the prompt, returned as one request's outputs
+    # Independent samples of the prompt, returned as one request's outputs.
     n: int = 1
-    temperature: float = 1.0      # 0 means greedy (argmax)
-    top_p: float = 1.0            # keep the smallest set of tokens whose probability reaches top_p
-    top_k: int = 0                # keep the k most likely tokens; 0 or -1 keeps all
-    min_p: float = 0.0            # drop tokens less likely than min_p times the most likely one
-    presence_penalty: float = 0.0     # subtracted once from the logit of each token the output has
-    # subtracted from a token's logit once per time the output has it
+    # 0 means greedy (argmax).
+    temperature: float = 1.0
+    # Keep the smallest set of tokens whose probability reaches top_p.
+    top_p: float = 1.0
+    # Keep the k most likely tokens; 0 or -1 keeps all.
+    top_k: int = 0
+    # Drop tokens less likely than min_p times the most likely one.
+    min_p: float = 0.0
+    # Subtracted once from the logit of each token the output has.
+    presence_penalty: float = 0.0
+    # Subtracted from a token's logit once per time the output has it.
     frequency_penalty: float = 0.0
-    # tokens of prompt or output: positive logits / it, negative * it
+    # For tokens of the prompt or the output: positive logits are divided by it, negative ones
+    # multiplied.
     repetition_penalty: float = 1.0
-    seed: int | None = None       # private randomness: same seed, same output in any batch
-    max_tokens: int | None = 16   # None: until the context (max_model_len) is full
-    # EOS, stop_token_ids and stop strings are ignored until this many are out
+    # Private randomness: the same seed gives the same output in any batch.
+    seed: int | None = None
+    # None: until the context (max_model_len) is full.
+    max_tokens: int | None = 16
+    # EOS, stop_token_ids and stop strings are ignored until this many tokens are out.
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    # the log-probabilities of the sampled token and the top-N at each step
+    # The log-probabilities of the sampled token and of the top N, at each step.
     logprobs: int | None = None
-    prompt_logprobs: int | None = None   # the same of each prompt token, given those before
-    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling
+    # The same for each prompt token, given those before it.
+    prompt_logprobs: int | None = None
+    # Token id -> a number added to its logit before sampling.
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     guided_decoding: GuidedDecodingParams | None = None
@@ -75,45 +87,51 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        checks = [
-            ("n", _integer(self.n) and self.n >= 1, "must be an integer >= 1"),
-            ("temperature", _real(self.temperature) and self.temperature >= 0, "must be a finite number >= 0"),
-            ("top_p", _real(self.top_p) and 0 < self.top_p <= 1, "must be a number in (0, 1]"),
-            ("top_k", _integer(self.top_k) and self.top_k >= 0, "must be an integer >= 0, or -1 (all)"),
-            ("min_p", _real(self.min_p) and 0 <= self.min_p <= 1, "must be a number in [0, 1]"),
-            ("presence_penalty", _real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-             "must be a number in [-2, 2]"),
-            ("frequency_penalty", _real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-             "must be a number in [-2, 2]"),
-            ("repetition_penalty", _real(self.repetition_penalty) and self.repetition_penalty > 0,
-             "must be a finite number > 0"),
-            ("seed", self.seed is None or (_integer(self.seed) and -2**63 <= self.seed < 2**63),
-             "must be None or a 64-bit integer"),
-            ("max_tokens", self.max_tokens is None or (_integer(self.max_tokens) and self.max_tokens >= 1),
-             "must be None or an integer >= 1"),
-            ("min_tokens", _integer(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or math.inf),
-             f"must be an integer in [0, max_tokens={self.max_tokens}]"),
-            ("stop", isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-             "must be a string or a list of non-empty strings"),
-            ("stop_token_ids", isinstance(self.stop_token_ids, list)
-             and all(_integer(t) and t >= 0 for t in self.stop_token_ids), "must be a list of integers >= 0"),
-            ("logprobs", self.logprobs is None or (_integer(self.logprobs) and self.logprobs >= 0),
-             "must be None or an integer >= 0"),
-            ("prompt_logprobs", self.prompt_logprobs is None
-             or (_integer(self.prompt_logprobs) and self.prompt_logprobs >= 0),
-             "must be None or an integer >= 0"),
-            ("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
-                _integer(t) and t >= 0 and _real(b) for t, b in self.logit_bias.items())),
-             "must be None or a dict of token ids >= 0 to finite numbers"),
-            ("output_kind", self.output_kind in list(RequestOutputKind), "must be a RequestOutputKind"),
-            ("guided_decoding", self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
-             "must be None or a GuidedDecodingParams"),
-        ] + [(name, isinstance(getattr(self, name), bool), "must be True or False")
-             for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")]
-        for name, ok, why in checks:
+        for name, ok, why in self.checks():
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
         self.output_kind = RequestOutputKind(self.output_kind)
+
+    def checks(self) -> list[tuple[str, bool, str]]:
+        """(field, is it valid, what it must be) for every field."""
+        return [
+            ("n", _integer(self.n, 1), "must be an integer >= 1"),
+            ("temperature", _real(self.temperature, 0), "must be a finite number >= 0"),
+            ("top_p", _real(self.top_p, 0, 1) and self.top_p > 0, "must be a number in (0, 1]"),
+            ("top_k", _integer(self.top_k, 0), "must be an integer >= 0, or -1 (all)"),
+            ("min_p", _real(self.min_p, 0, 1), "must be a number in [0, 1]"),
+            ("presence_penalty", _real(self.presence_penalty, -2, 2),
+             "must be a number in [-2, 2]"),
+            ("frequency_penalty", _real(self.frequency_penalty, -2, 2),
+             "must be a number in [-2, 2]"),
+            ("repetition_penalty", _real(self.repetition_penalty) and self.repetition_penalty > 0,
+             "must be a finite number > 0"),
+            ("seed", self.seed is None or _integer(self.seed, -2**63, 2**63 - 1),
+             "must be None or a 64-bit integer"),
+            ("max_tokens", self.max_tokens is None or _integer(self.max_tokens, 1),
+             "must be None or an integer >= 1"),
+            ("min_tokens", _integer(self.min_tokens, 0, self.max_tokens or math.inf),
+             f"must be an integer in [0, max_tokens={self.max_tokens}]"),
+            ("stop", isinstance(self.stop, list)
+             and all(isinstance(s, str) and s for s in self.stop),
+             "must be a string or a list of non-empty strings"),
+            ("stop_token_ids", isinstance(self.stop_token_ids, list)
+             and all(_integer(t, 0) for t in self.stop_token_ids),
+             "must be a list of integers >= 0"),
+            ("logprobs", self.logprobs is None or _integer(self.logprobs, 0),
+             "must be None or an integer >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None or _integer(self.prompt_logprobs, 0),
+             "must be None or an integer >= 0"),
+            ("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                _integer(t, 0) and _real(b) for t, b in self.logit_bias.items())),
+             "must be None or a dict of token ids >= 0 to finite numbers"),
+            ("output_kind", self.output_kind in list(RequestOutputKind),
+             "must be a RequestOutputKind"),
+            ("guided_decoding", self.guided_decoding is None
+             or isinstance(self.guided_decoding, GuidedDecodingParams),
+             "must be None or a GuidedDecodingParams"),
+        ] + [(name, isinstance(getattr(self, name), bool), "must be True or False")
+             for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")]
 
     @property
     def greedy(self) -> bool:
@@ -121,9 +139,12 @@ class SamplingParams:
         return self.temperature < 1e-5
 
 
-def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _integer(value, low: float = -math.inf, high: float = math.inf) -> bool:
+    """Is `value` an integer (not a bool) in [low, high]?"""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-def _real(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _real(value, low: float = -math.inf, high: float = math.inf) -> bool:
+    """Is `value` a finite number (not a bool) in [low, high]?"""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and low <= value <= high

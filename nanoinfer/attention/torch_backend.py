@@ -18,9 +18,10 @@ from nanoinfer.utils import cdiv
 class TorchAttentionBackend:
 
     @staticmethod
-    def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """key/value: [tokens, kv_heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim]."""
+    def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """key/value: [tokens, kv_heads, head_dim]; caches: [blocks, block_size, kv_heads,
+        head_dim]."""
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
         k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep]
@@ -40,6 +41,6 @@ class TorchAttentionBackend:
             k = k_cache[blocks].flatten(0, 1)[:len_k].transpose(0, 1)   # [kv_heads, k, d]
             v = v_cache[blocks].flatten(0, 1)[:len_k].transpose(0, 1)
             mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(len_k - len_q)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, k, v, mask, scale=scale, enable_gqa=True)
             out[cu_q[i]:cu_q[i + 1]] = o.transpose(0, 1)
         return out

@@ -19,6 +19,7 @@ class TritonAttentionBackend:
     def forward(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.max_seqlen_q == 1:
-            return decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+            return decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                    scale)
         return prefill_attention(query, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
                                  meta.block_tables, meta.max_seqlen_q, scale)

@@ -30,24 +30,30 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None):
         self.block_size = block_size
-        self.max_model_len = max_model_len or num_blocks * block_size   # no slot past it
+        # No slot is allocated past max_model_len (EAGLE's lookahead would reach there).
+        self.max_model_len = max_model_len or num_blocks * block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_blocks = num_blocks
-        # one number per block, not one object: a small model on a large GPU has tens of millions
+        # One number per block, not one object: a small model on a large GPU has tens of millions.
         self.ref_counts = np.zeros(num_blocks, np.int32)
-        self.block_hash: dict[int, int] = {}      # block -> the hash of its content, if full
+        # The hash of each full block's content, and the other way round.
+        self.block_hash: dict[int, int] = {}
         self.hash_to_block: dict[int, int] = {}
-        self.next_unused = 0   # blocks next_unused.. have never been used; they go first, in order
-        self.free_block_queue: OrderedDict[int, None] = OrderedDict()   # freed blocks, oldest first
-        self.num_prefix_query_tokens = 0   # prompt tokens looked up in the prefix cache
-        self.num_prefix_hit_tokens = 0     # of those, found there
+        # Blocks next_unused.. have never been used and go first, in order; then the freed ones,
+        # oldest first.
+        self.next_unused = 0
+        self.free_block_queue: OrderedDict[int, None] = OrderedDict()
+        # Prompt tokens looked up in the prefix cache, and of those, found there.
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
         return self.num_blocks - self.next_unused + len(self.free_block_queue)
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
-        """The blocks of the longest cached prefix of `seq`, leaving at least one token to compute."""
+        """The blocks of the longest cached prefix of `seq`, leaving at least one token to
+        compute."""
         if not self.enable_prefix_caching:
             return []
         computed = []
@@ -105,7 +111,8 @@ class BlockManager:
             block_id, _ = self.free_block_queue.popitem(last=False)
             block_hash = self.block_hash.pop(block_id, None)
             if block_hash is not None and self.hash_to_block.get(block_hash) == block_id:
-                del self.hash_to_block[block_hash]   # evicted: its cached content is overwritten
+                # Evicted: its cached content is about to be overwritten.
+                del self.hash_to_block[block_hash]
         self.ref_counts[block_id] = 1
         return block_id
 
@@ -114,7 +121,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
-        first = num_full   # cached blocks form a prefix of the table: walk back to its end
+        # The cached blocks form a prefix of the table: walk back to its end.
+        first = num_full
         while first > 0 and seq.block_table[first - 1] not in self.block_hash:
             first -= 1
         for i in range(first, num_full):

@@ -43,7 +43,7 @@ from nanoinfer.structured_output import Grammar, StructuredOutputManager
 from nanoinfer.worker.model_runner import ModelRunner
 
 
-# what EngineCore froze is freed at exit (extensions check for leaks)
+# What EngineCore froze is freed at exit (extensions check for leaks).
 atexit.register(gc.unfreeze)
 
 
@@ -55,7 +55,8 @@ class StepsInFlight:
         self.scheduler, self.steps = scheduler, deque()
         pp = config.pipeline_parallel_size
         self.max_steps = pp if pp > 1 else int(config.async_scheduling)
-        self.disjoint = pp > 1   # do the steps in flight hold disjoint sequences?
+        # Pipelined steps in flight hold disjoint sequences.
+        self.disjoint = pp > 1
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -83,13 +84,15 @@ class StepsInFlight:
 class EngineCore:
 
     def __init__(self, config: Config, tokenizer=None):
-        self.config = config
-        # (one rank: the worker's connector too; else the ranks have theirs)
-        self.kv_connector = make_kv_connector(config, 0 if config.world_size == 1 else None)
-        # the model runs here (one process, one device) or on model-parallel ranks (executor/)
-        self.model_executor = ModelRunner(config, self.kv_connector) if config.world_size == 1 else \
-            MultiprocExecutor(config)
-        if config.world_size > 1:   # the workers stop with the core, or at interpreter exit
+        self.config, one_rank = config, config.world_size == 1
+        # The KV connector: one rank's serves the worker too; with several, each has its own.
+        self.kv_connector = make_kv_connector(config, 0 if one_rank else None)
+        # The model runs here (one process, one device) or on model-parallel ranks (executor/),
+        # which stop with the core, or at interpreter exit.
+        if one_rank:
+            self.model_executor = ModelRunner(config, self.kv_connector)
+        else:
+            self.model_executor = MultiprocExecutor(config)
             weakref.finalize(self, self.model_executor.shutdown)
         block_manager = BlockManager(self.model_executor.num_kvcache_blocks, config.block_size,
                                      config.enable_prefix_caching, config.max_model_len)
@@ -97,20 +100,24 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(tokenizer, config.hf_config.vocab_size,
                                                          config.eos_token_ids)
         self.in_flight = StepsInFlight(self.scheduler, config)
-        self.num_prefill_tokens = self.num_decode_tokens = 0   # of the last step, for progress bars
+        # The last step's tokens (for progress bars and stats), and counts since the start.
+        self.num_prefill_tokens = self.num_decode_tokens = 0
         self.num_requests_added = self.num_aborted_seqs = 0
-        # The hundreds of thousands of objects start-up made (modules, the tokenizer, parameters) live
-        # as long as the engine: take them out of the garbage collector's sight, so that its full
-        # collections, which the step loop's allocations trigger now and then, stay short.
+        # The hundreds of thousands of objects start-up made (modules, the tokenizer, parameters)
+        # live as long as the engine: take them out of the garbage collector's sight, so that its
+        # full collections, which the step loop's allocations trigger now and then, stay short.
         gc.collect()
         gc.freeze()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.num_requests_added += 1
-        compiled = None if request.grammar is None else self.structured_output.compile(request.grammar)
+        grammar = request.grammar
+        compiled = None if grammar is None else self.structured_output.compile(grammar)
         for seq_id, params in zip(request.seq_ids, request.params):
-            seq = Sequence(seq_id, request.prompt_token_ids, params, request.max_tokens, self.config.block_size)
-            if compiled is not None:   # each sample its own state in the one compiled grammar
+            seq = Sequence(seq_id, request.prompt_token_ids, params, request.max_tokens,
+                           self.config.block_size)
+            # Each sample has its own state in the one compiled grammar.
+            if compiled is not None:
                 seq.grammar = Grammar(compiled)
             self.scheduler.add(seq)
 
@@ -130,15 +137,17 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self.num_prefill_tokens = sum(n for n in sched.num_scheduled_tokens.values() if n > 1)
         self.num_decode_tokens = sum(1 for n in sched.num_scheduled_tokens.values() if n == 1)
-        if sched.is_empty:   # everything runnable is in flight, or nothing is runnable yet
+        # Everything runnable is in flight, or nothing is runnable yet.
+        if sched.is_empty:
             return outputs + self.wait_for_work()
         executed = self.model_executor.execute_model(sched)
         grammar = None
-        if self.scheduler.has_guided(sched):   # structured output
+        # Structured output: the masks of the step's guided sequences, for sampling.
+        if self.scheduler.has_guided(sched):
             outputs += self.in_flight.finish_for_grammar()
             grammar = self.structured_output.grammar_bitmask(self.scheduler.guided_samples(sched))
         self.in_flight.append(self.model_executor.sample_tokens(executed, grammar))
-        # async scheduling leaves the step just launched in flight and finishes the one before
+        # Async scheduling leaves the step just launched in flight and finishes the one before.
         keep = self.in_flight.max_steps if sched.num_scheduled_tokens else 0
         return outputs + self.in_flight.finish(keep)
 
@@ -156,7 +165,8 @@ class EngineCore:
                               1 - bm.num_free_blocks / bm.num_blocks, bm.num_prefix_query_tokens,
                               bm.num_prefix_hit_tokens, self.num_requests_added,
                               self.num_aborted_seqs, self.scheduler.num_preemptions,
-                              self.step_tokens(), self.kv_connector.stats() if self.kv_connector else {})
+                              self.step_tokens(),
+                              self.kv_connector.stats() if self.kv_connector else {})
 
     def step_tokens(self) -> int:
         """The tokens the last step computed, counted once (an idle core reports 0)."""
@@ -178,13 +188,14 @@ class EngineCore:
         self.in_flight.clear()
         if self.model_executor is None:
             return
-        if isinstance(self.model_executor, MultiprocExecutor):
+        if self.config.world_size > 1:
             self.model_executor.shutdown(graceful)
         self.model_executor = None
         self.structured_output.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
-        gc.unfreeze()   # let the collector free the model's reference cycles
+        # Let the collector free the model's reference cycles.
+        gc.unfreeze()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

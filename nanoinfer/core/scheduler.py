@@ -23,12 +23,10 @@ sampled tokens and applies the token-level stops (EOS, stop_token_ids, max_token
 max_model_len) to each in order; a token sampled for a sequence that stopped (or was aborted)
 meanwhile is dropped.
 
-That is the whole base path. Each optional mechanism enters it through one named call, written
-in scheduler_hooks.py: speculative decoding's drafts (`tokens_to_schedule` schedules them after a
-sequence's known tokens, where the budget and the free blocks have room: drafts never preempt;
-EAGLE's also write `lookahead` slots past the step, which every allocation includes), a KV
-connector's blocks (`external_blocks`), structured output's grammars (`can_admit`), prompt
-logprobs (`computed_blocks`: such a request computes every prompt position). Pipeline
+That is the whole base path. Each optional mechanism enters it through one named call (their
+parts are in scheduler_hooks.py): speculative decoding's drafts (`tokens_to_schedule`; EAGLE's
+also write `lookahead` slots past the step, which every allocation includes), a KV connector's
+blocks (`external_blocks`), grammars (`can_admit`), prompt logprobs (`computed_blocks`). Pipeline
 parallelism (P stages, core/engine_core.py) keeps P steps in flight over disjoint sequences: a
 sequence with a token in flight is passed over (`can_schedule`), and a step takes at most
 max_num_seqs / P of them.
@@ -42,9 +40,6 @@ from nanoinfer.core.messages import (EngineCoreOutput, ModelRunnerOutput, NewReq
                                      SchedulerOutput)
 from nanoinfer.core.scheduler_hooks import SchedulerHooks
 from nanoinfer.core.sequence import Sequence, SequenceStatus
-from nanoinfer.spec_decode.metrics import SpecDecodingStats
-from nanoinfer.spec_decode.ngram_proposer import NgramProposer
-from nanoinfer.utils import cdiv
 
 RUNNING = (SequenceStatus.RUNNING, SequenceStatus.WAITING_FOR_REMOTE_KVS)
 
@@ -56,26 +51,14 @@ class Scheduler(SchedulerHooks):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.eos_token_ids, self.block_manager = config.eos_token_ids, block_manager
         self.block_size = config.block_size
-        self.requests: dict[int, Sequence] = {}   # every live sequence, by seq_id
+        # Every live sequence by seq_id; the queues; and the sequences finished or preempted
+        # since the last step was sent, which the runner is to forget.
+        self.requests: dict[int, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # finished or preempted since the last step was sent: for the runner to forget
         self.finished_seq_ids: set[int] = set()
-        # sequences that finished outside a step (a grammar that failed to compile)
-        self.unstepped_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
-        self.guided: set[int] = set()   # live sequences with a grammar (structured output)
-        self.pipelined = config.pipeline_parallel_size > 1
-        self.max_seqs_per_step = cdiv(config.max_num_seqs, config.pipeline_parallel_size)
-        spec = config.speculative
-        self.ngram = None   # n-gram drafts are proposed here; EAGLE's and Medusa's by the runner
-        if spec is not None and spec.method == "ngram":
-            self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                       spec.prompt_lookup_max, config.max_model_len)
-        self.spec_stats = SpecDecodingStats()
-        # EAGLE's drafts write k positions past a step: their slots are allocated with it
-        self.lookahead = config.num_lookahead_tokens
-        self.kv_connector = kv_connector   # its scheduler side (kv_transfer/)
+        self.init_mechanisms(config, kv_connector)   # their state (scheduler_hooks.py)
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.seq_id] = seq
@@ -90,7 +73,8 @@ class Scheduler(SchedulerHooks):
         budget = self.schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_seq_ids:
             self.schedule_waiting(out, budget)
-        if out.is_empty:   # not sent: what the runner must forget goes with the next step
+        if out.is_empty:
+            # The step is not sent: what the runner must forget goes with the next one.
             self.finished_seq_ids |= out.finished_seq_ids | out.preempted_seq_ids
         return out
 
@@ -105,7 +89,8 @@ class Scheduler(SchedulerHooks):
             num_new, drafts = self.tokens_to_schedule(seq, budget)
             new_blocks = self.allocate_or_preempt(seq, num_new, out)
             if new_blocks is None:
-                break   # it was the newest running sequence, and preempted itself
+                # It was the newest running sequence, and preempted itself.
+                break
             cached = out.scheduled_cached_reqs
             cached.seq_ids.append(seq.seq_id)
             cached.new_token_ids.append(seq.token_ids[seq.num_tokens_sent:])
@@ -128,7 +113,7 @@ class Scheduler(SchedulerHooks):
             computed = self.computed_blocks(seq)
             num_cached = len(computed) * self.block_size
             external = self.external_blocks(seq, len(computed))
-            # a request whose blocks are loading computes nothing in this step
+            # A request whose blocks a KV connector loads computes nothing in this step.
             num_new = 0 if external else min(seq.num_tokens - num_cached, budget)
             num_slots = len(external) * self.block_size + num_new
             if self.block_manager.allocate_slots(seq, num_slots, computed, self.lookahead) is None:
@@ -165,8 +150,9 @@ class Scheduler(SchedulerHooks):
         if not seq.spec_token_ids:
             return num_new, []
         drafts = self.drafts_that_fit(seq, budget - num_new)
+        # Drafts never preempt anyone: without room for them, the sequence goes without.
         if not self.block_manager.can_allocate(seq, num_new + len(drafts), self.lookahead):
-            drafts = []   # drafts never preempt anyone: without room for them, go without
+            drafts = []
         return num_new + len(drafts), drafts
 
     def allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput
@@ -215,11 +201,12 @@ class Scheduler(SchedulerHooks):
         out.num_scheduled_tokens[seq.seq_id] = num_new
         seq.num_tokens_sent = seq.num_tokens
         seq.num_computed_tokens += num_new
+        # A step that reaches the sequence's end samples: its token is a placeholder till then.
         known = seq.num_computed_tokens - seq.num_scheduled_drafts
-        if known == seq.num_tokens_with_placeholders:   # the step reaches its end: it samples
+        if known == seq.num_tokens_with_placeholders:
             seq.num_output_placeholders += 1
         first_block = (seq.num_computed_tokens - num_new) // self.block_size
-        if seq.num_computed_tokens // self.block_size > first_block:   # a block filled up
+        if seq.num_computed_tokens // self.block_size > first_block:
             self.block_manager.cache_full_blocks(seq)
             if self.kv_connector is not None and self.kv_connector.saves:
                 self.save_external(seq, first_block, out)
@@ -231,15 +218,16 @@ class Scheduler(SchedulerHooks):
         outputs, lp_end = [], 0
         for row, (seq_id, token_ids) in enumerate(zip(runner_output.seq_ids,
                                                       runner_output.sampled_token_ids)):
-            lp_start, lp_end = lp_end, lp_end + len(token_ids)   # its rows of logprobs
+            lp_start, lp_end = lp_end, lp_end + len(token_ids)
             seq = self.requests.get(seq_id)
+            # A sequence that stopped, or was aborted, while this step ran takes none.
             if seq is None:
-                continue   # stopped or aborted while this step ran
+                continue
             assert seq.num_output_placeholders > 0, f"sequence {seq_id} got an unexpected token"
             seq.num_output_placeholders -= 1
             num_drafts = self.settle_drafts(seq, len(token_ids) - 1)
             new_token_ids = self.append_tokens(seq, token_ids)
-            if not seq.is_finished:   # the next step's drafts
+            if not seq.is_finished:
                 seq.spec_token_ids = self.next_drafts(seq, runner_output, row)
             outputs.append(EngineCoreOutput(
                 seq_id, new_token_ids, None, seq.num_cached_tokens, seq.finish_reason,
@@ -249,7 +237,8 @@ class Scheduler(SchedulerHooks):
                 outputs[-1].new_logprobs = [
                     (lp.logprob_token_ids[r], lp.logprobs[r], lp.sampled_token_ranks[r])
                     for r in range(lp_start, lp_start + len(new_token_ids))]
-            if seq.num_output_tokens == len(new_token_ids):   # its first: with its prompt's news
+            # A sequence's first output brings its prompt's logprobs and when it was scheduled.
+            if seq.num_output_tokens == len(new_token_ids):
                 outputs[-1].prompt_logprobs = seq.prompt_logprobs
                 outputs[-1].scheduled_time = seq.first_scheduled_time
         return outputs
@@ -260,7 +249,7 @@ class Scheduler(SchedulerHooks):
             seq.append_token(token_id)
             if seq.grammar is not None:
                 seq.grammar.accept(token_id)
-            if seq.num_tokens % self.block_size == 0:   # it completed a block
+            if seq.num_tokens % self.block_size == 0:
                 self.block_manager.cache_full_blocks(seq)
             if self.check_stop(seq, token_id):
                 return token_ids[:n]
@@ -272,15 +261,17 @@ class Scheduler(SchedulerHooks):
             self.finish(seq, "stop")
         elif token_id in params.stop_token_ids:
             self.finish(seq, "stop", token_id)
-        elif seq.num_output_tokens >= seq.max_tokens:   # (max_model_len bounds max_tokens)
+        # max_model_len bounds max_tokens too.
+        elif seq.num_output_tokens >= seq.max_tokens:
             self.finish(seq, "length")
         return seq.is_finished
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End `seq` (also used for stop strings and aborts) and free its blocks."""
         if seq.status in RUNNING:
+            # The runner holds it: the next step tells it to forget it.
             self.running.remove(seq)
-            self.finished_seq_ids.add(seq.seq_id)   # the runner holds it: tell it to forget it
+            self.finished_seq_ids.add(seq.seq_id)
         elif seq.status != SequenceStatus.FINISHED:
             self.waiting.remove(seq)
         self.block_manager.free(seq)

@@ -18,12 +18,36 @@ that the plain scheduler reads first and each mechanism reads as a chapter of it
   need a mask;
 - `forget`: what the mechanisms hold of a finished sequence is dropped.
 """
+from nanoinfer.config import Config
 from nanoinfer.core.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from nanoinfer.core.sequence import Sequence, SequenceStatus
+from nanoinfer.spec_decode.metrics import SpecDecodingStats
+from nanoinfer.spec_decode.ngram_proposer import NgramProposer
+from nanoinfer.utils import cdiv
 
 
 class SchedulerHooks:
-    """Mixed into `Scheduler`, whose state it uses (the fields set in `Scheduler.__init__`)."""
+    """Mixed into `Scheduler`, whose state it uses."""
+
+    def init_mechanisms(self, config: Config, kv_connector) -> None:
+        """The mechanisms' state, beside the scheduler's own."""
+        # Pipeline parallelism: a step holds at most max_num_seqs / P sequences.
+        self.pipelined = config.pipeline_parallel_size > 1
+        self.max_seqs_per_step = cdiv(config.max_num_seqs, config.pipeline_parallel_size)
+        # Structured output: the live sequences with a grammar, and the outputs of those that
+        # finished outside a step (their grammar failed to compile).
+        self.guided: set[int] = set()
+        self.unstepped_outputs: list[EngineCoreOutput] = []
+        # Speculative decoding: n-gram drafts are proposed here (EAGLE's and Medusa's by the
+        # runner), and EAGLE's write `lookahead` positions past a step, allocated with it.
+        spec, self.ngram = config.speculative, None
+        if spec is not None and spec.method == "ngram":
+            self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                       spec.prompt_lookup_max, config.max_model_len)
+        self.spec_stats = SpecDecodingStats()
+        self.lookahead = config.num_lookahead_tokens
+        # A KV connector's scheduler side (kv_transfer/).
+        self.kv_connector = kv_connector
 
     def drafts_that_fit(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts of `seq` that its step can score: within the budget, and such that the
@@ -37,7 +61,8 @@ class SchedulerHooks:
         """The hashes of the prompt blocks after the cached ones that the KV connector has (one
         prompt token at least is computed; with EAGLE, as from the prefix cache, the last
         block)."""
-        if self.kv_connector is None or seq.prompt_logprobs is not None:   # (those compute all)
+        # A request that wants its prompt's logprobs computes every position.
+        if self.kv_connector is None or seq.prompt_logprobs is not None:
             return []
         hashes = seq.block_hashes[num_computed_blocks:(seq.num_tokens - 1) // self.block_size]
         num_matched = self.kv_connector.num_matched_blocks(hashes) - bool(self.lookahead)
@@ -47,7 +72,8 @@ class SchedulerHooks:
                       out: SchedulerOutput) -> None:
         """Ask the step to fill the blocks after the cached ones from the connector."""
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
-        seq.num_cached_tokens = None   # (known once they are loaded)
+        # Known once the blocks are loaded.
+        seq.num_cached_tokens = None
         out.kv_loads[seq.seq_id] = list(zip(seq.block_table[num_computed_blocks:], external))
         seq.num_tokens_sent = seq.num_tokens
 
@@ -75,7 +101,8 @@ class SchedulerHooks:
         """Take the rejected drafts of the step back off `num_computed_tokens`; the number
         scored."""
         num_drafts, seq.num_scheduled_drafts = seq.num_scheduled_drafts, 0
-        if num_drafts:   # the rejected drafts' keys and values do not count
+        # The rejected drafts' keys and values do not count.
+        if num_drafts:
             seq.num_computed_tokens -= num_drafts - num_accepted
             self.spec_stats.observe(num_drafts, num_accepted)
         return num_drafts
@@ -102,7 +129,9 @@ class SchedulerHooks:
         try:
             if not seq.grammar.ready():
                 return False
-        except Exception as e:   # (the constraint was checked when added: too many states, say)
+        # The constraint was checked when it was added; its compilation failed anyway (too
+        # many states, say).
+        except Exception as e:
             self.finish(seq, "abort", f"guided decoding failed: {e}")
             self.unstepped_outputs.append(
                 EngineCoreOutput(seq.seq_id, [], None, 0, "abort", seq.stop_reason))
@@ -119,5 +148,6 @@ class SchedulerHooks:
         self.guided.discard(seq.seq_id)
         if self.ngram is not None:
             self.ngram.remove(seq.seq_id)
-        if self.kv_connector is not None:   # (it may hold blocks of the request)
+        # The connector may hold blocks of the request.
+        if self.kv_connector is not None:
             self.kv_connector.request_finished(seq.block_hashes)

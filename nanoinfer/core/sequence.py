@@ -1,4 +1,5 @@
-"""A request in flight, as the scheduler sees it: its tokens, how many are in the KV cache, its blocks.
+"""A request in flight, as the scheduler sees it: its tokens, how many are in the KV cache, its
+blocks.
 
 `num_computed_tokens` is the engine's one measure of progress: tokens whose keys and values are
 in the paged KV cache. A step schedules `num_tokens - num_computed_tokens` more of them, all at
@@ -14,6 +15,19 @@ but not yet in `token_ids`.
 (so equal hashes mean equal whole prefixes). They are computed once, as tokens become known, and
 serve prefix-cache lookups (and later the KV connector). The hash is 128 bits wide, so blocks are
 matched by hash alone: two different prefixes with one hash are as good as impossible.
+
+Progress counters, and the scheduler's methods that change them (core/scheduler.py, and for the
+optional mechanisms core/scheduler_hooks.py); nothing else does:
+
+    num_computed_tokens      admit (its cached prefix), advance (+ the step's tokens),
+                             allocate_or_preempt (0), settle_drafts (- rejected drafts),
+                             update_prompts (+ blocks a KV connector loaded)
+    num_output_placeholders  advance (+1 when the step samples), update_from_output (-1)
+    num_tokens_sent          advance, load_external (the runner has every known token)
+    num_cached_tokens        admit, load_external, update_prompts
+    spec_token_ids           update_from_output (the next step's drafts), drafts_that_fit and
+                             allocate_or_preempt (taken, or dropped)
+    num_scheduled_drafts     schedule_running, settle_drafts
 """
 from enum import Enum, auto
 
@@ -32,9 +46,10 @@ def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
 
 
 class SequenceStatus(Enum):
-    WAITING_FOR_FSM = auto()   # its grammar (structured output) is still being compiled
+    # Its grammar (structured output) is still being compiled.
+    WAITING_FOR_FSM = auto()
     WAITING = auto()
-    # admitted: its prompt's KV blocks are being loaded (kv_transfer/)
+    # Admitted, while its prompt's KV blocks are being loaded (kv_transfer/).
     WAITING_FOR_REMOTE_KVS = auto()
     RUNNING = auto()
     FINISHED = auto()
@@ -44,29 +59,36 @@ class Sequence:
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  max_tokens: int, block_size: int):
-        self.seq_id = seq_id               # unique in the engine; what the step messages name it by
+        # Unique in the engine: the step messages name it by this.
+        self.seq_id = seq_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.max_tokens = max_tokens       # sampling_params.max_tokens, or what max_model_len fits
+        # sampling_params.max_tokens, or what max_model_len leaves after the prompt.
+        self.max_tokens = max_tokens
         self.status = SequenceStatus.WAITING
+        # The progress counters (see above): tokens in the KV cache; prompt tokens found in the
+        # prefix cache at admission (or loaded by a KV connector); tokens being sampled by steps
+        # still in flight; known tokens already sent to the model runner; drafts proposed for the
+        # next step, and drafts being scored by the step in flight.
         self.num_computed_tokens = 0
-        # prompt tokens found in the prefix cache at admission
         self.num_cached_tokens: int | None = None
-        self.num_output_placeholders = 0   # tokens being sampled by steps still in flight
-        self.num_tokens_sent = 0           # known tokens already sent to the model runner
-        self.spec_token_ids: list[int] = []   # drafts proposed for the next step
-        self.num_scheduled_drafts = 0      # drafts being scored by the step in flight
+        self.num_output_placeholders = 0
+        self.num_tokens_sent = 0
+        self.spec_token_ids: list[int] = []
+        self.num_scheduled_drafts = 0
         self.block_table: list[int] = []
         self.block_size = block_size
         self.block_hashes: list[int] = []
         self.hash_full_blocks()
-        self.grammar = None   # structured output: its constraint and state (structured_output/)
-        # the prompt's logprobs (SamplingParams.prompt_logprobs): a row per token but the first
+        # Structured output: its constraint and state (structured_output/).
+        self.grammar = None
+        # The prompt's logprobs (SamplingParams.prompt_logprobs): a row per token but the first.
         self.prompt_logprobs = None
         if sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * (self.num_prompt_tokens - 1)
-        self.first_scheduled_time: float | None = None   # (time.time(), for a server's metrics)
+        # When it was first scheduled (time.time()), for a server's metrics.
+        self.first_scheduled_time: float | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 

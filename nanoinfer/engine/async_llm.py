@@ -34,7 +34,8 @@ from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("nanoinfer")
-LONG_TEXT = 20_000   # characters: a text longer than this is tokenized off the event loop
+# A text of more characters than this is tokenized off the event loop.
+LONG_TEXT = 20_000
 
 
 class RequestStream:
@@ -84,11 +85,13 @@ def is_heavy(prompt: PromptType, params) -> bool:
 class AsyncLLM(FrontEnd):
 
     def __init__(self, model: str, data_parallel_size: int = 1, **kwargs):
-        super().__init__(Config(model, **kwargs))   # the tokenizer, the input and output processors
+        # The tokenizer, the input processor and the output processor.
+        super().__init__(Config(model, **kwargs))
         self.streams: dict[str, RequestStream] = {}
-        # the caller's, from the first request on
+        # The caller's event loop, from its first request on.
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.errors: dict[int, EngineDeadError] = {}   # the cores that died, and why
+        # The cores that died, and why.
+        self.errors: dict[int, EngineDeadError] = {}
         self.inputs = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-inputs")
         # a server's metrics: stat_logger(core rank, SchedulerStats or None, EngineCoreOutputs,
         # RequestOutputs), after each step's outputs, and with the output of each aborted request
@@ -111,8 +114,10 @@ class AsyncLLM(FrontEnd):
             while not (out := await stream.get()).finished:
                 yield out
             yield out
-        finally:   # finished, failed, or left early (cancelled): nothing of it stays behind
-            if self.streams.get(request_id) is stream:   # (not a new request that reuses the id)
+        # Finished, failed, or left early (cancelled): nothing of it stays behind, unless the id
+        # is already a new request's.
+        finally:
+            if self.streams.get(request_id) is stream:
                 self.forget(request_id)
 
     async def off_loop(self, heavy: bool, fn, *args):
@@ -141,19 +146,23 @@ class AsyncLLM(FrontEnd):
 
     def on_message(self, rank: int, message: tuple) -> None:
         """From the client's reader thread: go on in the event loop's."""
-        # (its traceback is in the server's log)
+        # A core's death is noted once (its traceback is in the server's log).
         if message[0] == "dead" and rank not in self.errors:
-            reason = message[1].strip().splitlines()[-1] if message[1].strip() else "no reason given"
+            lines = message[1].strip().splitlines()
+            reason = lines[-1] if lines else "no reason given"
             self.errors[rank] = EngineDeadError(f"engine core {rank} died ({reason})")
         try:
             if self.loop is not None:
                 self.loop.call_soon_threadsafe(self.process, rank, message)
-        except RuntimeError:   # the loop is closed: no request of it is left
+        # The loop is closed: no request of it is left.
+        except RuntimeError:
             pass
 
     def process(self, rank: int, message: tuple) -> None:
-        if message[0] == "dead":   # every request of that core fails
-            self.fail([r for r, owner in self.client.owner.items() if owner == rank], self.errors[rank])
+        # Every request of a core that died fails.
+        if message[0] == "dead":
+            held = [r for r, owner in self.client.owner.items() if owner == rank]
+            self.fail(held, self.errors[rank])
             return
         seqs = self.output_processor.seqs
         touched = {seqs[o.seq_id][0].request_id for o in message[1] if o.seq_id in seqs}
@@ -161,21 +170,24 @@ class AsyncLLM(FrontEnd):
             outputs, stopped = self.output_processor.process_outputs(message[1])
             if self.stat_logger is not None:
                 self.stat_logger(rank, message[2], message[1], outputs)
-            for seq_id, _ in stopped:   # ended by a stop string: the core has not seen that
+            # A sequence that a stop string ended goes on in the core, which has not seen that.
+            for seq_id, _ in stopped:
                 self.client.send(rank, ("abort", [seq_id]))
             for out in outputs:
                 if out.request_id in self.streams:
                     self.streams[out.request_id].put(out)
                 if out.finished:
                     self.client.finished(out.request_id)
-        except Exception as e:   # a bug here must not leave the step's requests waiting forever
+        # A bug here must not leave the step's requests waiting forever.
+        except Exception as e:
             logger.exception("processing engine core %d's outputs failed", rank)
             self.fail(touched, e)
 
     def fail(self, request_ids, error: BaseException) -> None:
         for request_id in list(request_ids):
             if request_id in self.streams:
-                self.streams[request_id].put(fresh(error))   # (one each: tracebacks of their own)
+                # An error of its own: tracebacks must not grow from request to request.
+                self.streams[request_id].put(fresh(error))
             self.forget(request_id)
 
     def shutdown(self) -> None:

@@ -54,7 +54,8 @@ logger = logging.getLogger("nanoinfer")
 
 def run_engine_core(config: Config, conn) -> None:
     """The core process: step while there is work, take messages between steps."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the front end's to handle
+    # Ctrl-C is the front end's to handle.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     core = None
 
     def handle(kind, payload) -> bool:
@@ -74,11 +75,13 @@ def run_engine_core(config: Config, conn) -> None:
                     return
             if core.has_unfinished():
                 conn.send(("outputs", core.step(), core.stats()))
-            else:   # idle: report, then wait for the next message
+            # Idle: report, then wait for the next message.
+            else:
                 conn.send(("outputs", [], core.stats()))
                 if not handle(*conn.recv()):
                     return
-    except (EOFError, BrokenPipeError):   # the front end is gone
+    # The front end is gone.
+    except (EOFError, BrokenPipeError):
         pass
     except BaseException:
         try:
@@ -101,6 +104,29 @@ def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
     return [",".join(gpus[r * n:(r + 1) * n]) for r in range(data_parallel_size)]
 
 
+def start_cores(config: Config, data_parallel_size: int) -> tuple[list, list]:
+    """Start the core processes, each on its own GPUs; their connections and processes."""
+    ctx, conns, procs = mp.get_context("spawn"), [], []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = core_gpus(data_parallel_size, config.world_size) if config.device == "cuda" else None
+    try:
+        for rank in range(data_parallel_size):
+            if gpus is not None:   # (read as the child starts)
+                os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank]
+            parent, child = ctx.Pipe()
+            procs.append(ctx.Process(target=run_engine_core, args=(config, child),
+                                     name=f"nanoinfer-core-{rank}"))
+            procs[-1].start()
+            child.close()
+            conns.append(parent)
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    return conns, procs
+
+
 class EngineCoreClient:
     """Starts `data_parallel_size` core processes and talks to them. `on_message(rank, message)`
     is called from the client's reader thread for every message a core sends, and with
@@ -108,58 +134,51 @@ class EngineCoreClient:
 
     def __init__(self, config: Config, on_message: Callable, data_parallel_size: int = 1):
         check_int("data_parallel_size", data_parallel_size, 1)
-        if data_parallel_size > 1 and config.kv_transfer and config.kv_transfer.kv_connector == "P2pConnector":
+        p2p = config.kv_transfer and config.kv_transfer.kv_connector == "P2pConnector"
+        if data_parallel_size > 1 and p2p:
             raise ValueError("P2pConnector pairs one engine core with one peer over one port: it "
                              "takes data_parallel_size=1 (SharedStorageConnector serves several)")
-        # (a weak reference: the reader thread must not keep the engine alive)
-        ctx = mp.get_context("spawn")
-        self.on_message, self.conns, self.procs = weakref.WeakMethod(on_message), [], []
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = core_gpus(data_parallel_size, config.world_size) if config.device == "cuda" else None
-        try:
-            for rank in range(data_parallel_size):
-                if gpus is not None:   # (read as the child starts)
-                    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank]
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=run_engine_core, args=(config, child), name=f"nanoinfer-core-{rank}")
-                proc.start()
-                child.close()
-                self.conns.append(parent)
-                self.procs.append(proc)
-        finally:
-            if visible is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        # A weak reference: the reader thread must not keep the engine alive.
+        self.on_message = weakref.WeakMethod(on_message)
+        self.conns, self.procs = start_cores(config, data_parallel_size)
         self.alive, self.closing, self.reader = [True] * data_parallel_size, False, None
-        # each core's, for its writer thread
+        # Each core's messages wait in an outbox of its own for its writer thread.
         self.outboxes = [queue.SimpleQueue() for _ in self.conns]
         for rank in range(data_parallel_size):
-            threading.Thread(target=self.write, args=(rank,), name=f"nanoinfer-core-writer-{rank}", daemon=True).start()
-        try:   # wait for every core to start (Ctrl-C meanwhile: stop them)
-            for rank, conn in enumerate(self.conns):
-                try:
-                    message = conn.recv() if conn.poll(600) else ("dead", "it did not start in 10 minutes")
-                except (EOFError, OSError):
-                    self.procs[rank].join(5)
-                    message = ("dead", f"it exited (exit code {self.procs[rank].exitcode})")
-                if message[0] != "ready":
-                    raise RuntimeError(f"engine core {rank} failed to start:\n{message[1]}")
+            threading.Thread(target=self.write, args=(rank,), daemon=True,
+                             name=f"nanoinfer-core-writer-{rank}").start()
+        # Wait for every core to start (and stop them on Ctrl-C meanwhile).
+        try:
+            for rank in range(data_parallel_size):
+                self.wait_until_ready(rank)
         except BaseException:
             self.shutdown()
             raise
         self.stats = [SchedulerStats() for _ in self.conns]
-        self.num_sent = [0] * len(self.conns)   # requests sent to each core (its stats: received)
-        self.owner: dict[str, int] = {}   # request_id -> the core that has it
+        # Requests sent to each core (its stats count those it received), and request_id -> the
+        # core that has it.
+        self.num_sent = [0] * len(self.conns)
+        self.owner: dict[str, int] = {}
         self.reader = threading.Thread(target=self.read, name="nanoinfer-core-reader", daemon=True)
         self.reader.start()
+
+    def wait_until_ready(self, rank: int) -> None:
+        """Until core `rank` has started; a RuntimeError saying why if it failed to."""
+        try:
+            conn = self.conns[rank]
+            message = conn.recv() if conn.poll(600) else ("dead", "it did not start in 10 minutes")
+        except (EOFError, OSError):
+            self.procs[rank].join(5)
+            message = ("dead", f"it exited (exit code {self.procs[rank].exitcode})")
+        if message[0] != "ready":
+            raise RuntimeError(f"engine core {rank} failed to start:\n{message[1]}")
 
     def add_request(self, request: EngineCoreRequest) -> None:
         live = [r for r in range(len(self.conns)) if self.alive[r]]
         if not live:
             raise EngineDeadError("every engine core has died")
         rank = min(live, key=self.load)
-        # (first: a message that cannot be pickled leaves no trace)
+        # Sent first, so that a message that cannot be pickled leaves no trace.
         self.send(rank, ("add", request))
         self.owner[request.request_id] = rank
         self.num_sent[rank] += 1
@@ -188,14 +207,16 @@ class EngineCoreClient:
         while (message := self.outboxes[rank].get()) is not None:
             try:
                 self.conns[rank].send_bytes(message)
-            except OSError:   # it died: the reader reports that
+            # It died: the reader reports that.
+            except OSError:
                 return
 
     def read(self) -> None:
         """The reader thread: every core's messages to `on_message`, and any core's death."""
         try:
             self.read_messages()
-        except BaseException:   # (a bug): the cores are dead to the front end, which must hear it
+        # A bug: the cores are dead to the front end, which must hear it.
+        except BaseException:
             reason = f"the front end's reader failed:\n{traceback.format_exc()}"
             logger.error(reason)
             for rank in [r for r in range(len(self.conns)) if self.alive[r]]:
@@ -214,16 +235,17 @@ class EngineCoreClient:
                     return
                 if not self.alive[rank]:
                     continue
+                # A message; or, if its process ended, all it left, up to the end of the
+                # connection: then, if it gave no word of why, say how it ended.
                 try:
                     self.deliver(rank, conn.recv())
-                    # its process ended: all it left
                     while source is not conn and self.alive[rank]:
                         self.deliver(rank, conn.recv())
-                # ... up to the end; if no word of why, say how it ended
                 except (EOFError, OSError):
                     if self.alive[rank]:
                         self.procs[rank].join(1)
-                        self.deliver(rank, ("dead", f"its process ended (exit code {self.procs[rank].exitcode})"))
+                        code = self.procs[rank].exitcode
+                        self.deliver(rank, ("dead", f"its process ended (exit code {code})"))
 
     def deliver(self, rank: int, message: tuple) -> None:
         if message[0] == "outputs":
@@ -237,7 +259,8 @@ class EngineCoreClient:
     def shutdown(self) -> None:
         """Stop every core (a last resort: kill it) and close the sockets. Idempotent."""
         self.closing = True
-        for outbox in self.outboxes:   # (after what was queued; then the writer stops)
+        # After what was queued; then the writer stops.
+        for outbox in self.outboxes:
             outbox.put(bytes(ForkingPickler.dumps(("shutdown", None))))
             outbox.put(None)
         stop_processes(self.procs, 10)

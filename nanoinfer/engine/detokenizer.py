@@ -17,7 +17,8 @@ from nanoinfer.sampling_params import SamplingParams
 
 class IncrementalDetokenizer:
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+                 params: SamplingParams):
         self.tokenizer, self.params = tokenizer, params
         # a few prompt tokens of context, so the first output token decodes as it would in the text
         self.token_ids = list(prompt_token_ids[-5:])
@@ -39,9 +40,9 @@ class IncrementalDetokenizer:
         self.num_output_tokens += len(new_token_ids)
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset:])
-        # skipped special tokens:
+        # Special tokens that are skipped add no text: forget them, or the window grows with each
+        # (EOS with ignore_eos).
         if new_text == prefix_text and self.skipped.issuperset(new_token_ids):
-            # forget them, or the window grows with each (EOS with ignore_eos)
             del self.token_ids[self.read_offset:]
             return None
         if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not finished):
@@ -51,8 +52,10 @@ class IncrementalDetokenizer:
         self.output_text += delta
         if not self.params.stop or self.num_output_tokens <= self.params.min_tokens:
             return None
-        for stop in self.params.stop:   # only where the new text could have completed it
-            idx = self.output_text.find(stop, max(len(self.output_text) - len(delta) - len(stop) + 1, 0))
+        # Only where the new text could have completed a stop string.
+        for stop in self.params.stop:
+            start = max(len(self.output_text) - len(delta) - len(stop) + 1, 0)
+            idx = self.output_text.find(stop, start)
             if idx != -1:
                 end = idx + len(stop) if self.params.include_stop_str_in_output else idx
                 self.output_text = self.output_text[:end]
@@ -62,5 +65,6 @@ class IncrementalDetokenizer:
     def visible_text(self, finished: bool) -> str:
         """The text that may be returned now: while a stop string could still be completing at
         its end, its possible beginning (up to the longest stop string but one) is held back."""
-        hold = 0 if finished or self.params.include_stop_str_in_output else max(self.max_stop_len - 1, 0)
+        keep_all = finished or self.params.include_stop_str_in_output
+        hold = 0 if keep_all else max(self.max_stop_len - 1, 0)
         return self.output_text[:max(len(self.output_text) - hold, 0)]

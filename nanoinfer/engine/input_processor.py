@@ -36,11 +36,13 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams, got "
                              f"{type(params).__name__}")
-        params = copy.deepcopy(params)   # the caller may change or reuse theirs
+        # The caller may change or reuse theirs.
+        params = copy.deepcopy(params)
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
         grammar = None if params.guided_decoding is None else self.grammar(params)
-        room = self.config.max_model_len - len(token_ids)   # (max_model_len: prompt and output)
+        # max_model_len holds the prompt and the output.
+        room = self.config.max_model_len - len(token_ids)
         max_tokens = min(params.max_tokens or room, room)
         # the samples of n > 1: seeds seed, seed + 1, ...
         children = [params if params.seed is None else dataclasses.replace(
@@ -57,7 +59,8 @@ class InputProcessor:
             return guided_regex(params.guided_decoding)
         except ValueError as e:
             raise ValueError(f"SamplingParams.guided_decoding: {e}") from e
-        except (TypeError, AttributeError, KeyError, RecursionError) as e:   # (a wrong type)
+        # A wrong type somewhere in the constraint.
+        except (TypeError, AttributeError, KeyError, RecursionError) as e:
             raise ValueError("SamplingParams.guided_decoding: malformed constraint "
                              f"({type(e).__name__}: {e})") from e
 
@@ -79,7 +82,8 @@ class InputProcessor:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
             text.encode()
-        except UnicodeEncodeError as e:   # (JSON's "\ud800" decodes to such a str)
+        # JSON's "\ud800" decodes to such a str.
+        except UnicodeEncodeError as e:
             raise ValueError("the text is not valid Unicode: a lone surrogate at character "
                              f"{e.start}") from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -98,7 +102,8 @@ class InputProcessor:
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
-        except Exception as e:   # a template that refuses the conversation (roles out of order)
+        # A template that refuses the conversation (roles out of order, say).
+        except Exception as e:
             raise ValueError(f"the chat template refused the messages: {e}") from e
         # the template already wrote any BOS: do not add special tokens again
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}

@@ -34,14 +34,18 @@ STEP_CUT_OFF = EngineDeadError("a step was cut off half-way (Ctrl-C twice?): its
 class LLMEngine(FrontEnd):
 
     def __init__(self, config: Config):
-        super().__init__(config)   # the tokenizer, the input and output processors
+        # The tokenizer, the input processor and the output processor.
+        super().__init__(config)
         self.engine_core = EngineCore(config, self.tokenizer)
-        core = self.engine_core   # (its parts, for tests and bench.py's timers)
+        # The core's parts, for tests and bench.py's timers.
+        core = self.engine_core
         self.scheduler, self.model_executor, self.structured_output = \
             core.scheduler, core.model_executor, core.structured_output
-        self.error: BaseException | None = None   # what killed the engine, if anything did
+        # What killed the engine, if anything did.
+        self.error: BaseException | None = None
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | None = None) -> None:
         """Validate and queue a request; raises ValueError saying what is wrong with it."""
         self.check_alive()
         text, request = self.input_processor.process(request_id, prompt, params)
@@ -51,7 +55,7 @@ class LLMEngine(FrontEnd):
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests at once and free their blocks; ids no longer live are ignored."""
         if self.error is not None:
-            return   # a dead engine holds no requests
+            return   # (a dead engine holds no requests)
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             if request_id in self.output_processor.requests:
                 self.engine_core.abort_requests(self.output_processor.remove_request(request_id))
@@ -64,22 +68,26 @@ class LLMEngine(FrontEnd):
         if isinstance(self.error, EngineDeadError):
             raise EngineDeadError(str(self.error))
         if self.error is not None:
-            raise EngineDeadError(f"the engine stopped after an error in a step ({type(self.error).__name__}: "
-                                  f"{self.error}); its requests are lost: create a new engine") from self.error
+            raise EngineDeadError(
+                f"the engine stopped after an error in a step ({type(self.error).__name__}: "
+                f"{self.error}); its requests are lost: create a new engine") from self.error
 
     def step(self) -> list[RequestOutput]:
         self.check_alive()
-        self.error = STEP_CUT_OFF   # until the step, or its handler below, is through
+        # Until the step, or its handler below, is through.
+        self.error = STEP_CUT_OFF
         try:
             outputs, stopped = self.output_processor.process_outputs(self.engine_core.step())
             # the sequences a stop string ended: the core has not seen that
             self.engine_core.abort_requests([seq_id for seq_id, _ in stopped])
-        except KeyboardInterrupt as e:   # the user stopped it: drop every request, keep the engine
+        # The user stopped it: drop every request and keep the engine.
+        except KeyboardInterrupt as e:
             if self.config.world_size == 1:
                 self.error = None
                 self.abort_all()
                 raise
-            self.die(e)   # a message to the workers may be cut in half: stop them
+            # A message to the workers may be cut in half: stop them.
+            self.die(e)
             raise
         except BaseException as e:
             self.die(e)

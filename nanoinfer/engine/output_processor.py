@@ -46,8 +46,10 @@ class CompletionState:
             for i, token_id in enumerate(out.new_token_ids):
                 last = i == len(out.new_token_ids) - 1
                 stop_string = self.update(dataclasses.replace(
-                    out, new_token_ids=[token_id], new_logprobs=out.new_logprobs and out.new_logprobs[i:i + 1],
-                    finish_reason=out.finish_reason if last else None, stop_reason=out.stop_reason if last else None))
+                    out, new_token_ids=[token_id],
+                    new_logprobs=out.new_logprobs and out.new_logprobs[i:i + 1],
+                    finish_reason=out.finish_reason if last else None,
+                    stop_reason=out.stop_reason if last else None))
                 if stop_string is not None:
                     return stop_string
             return None
@@ -60,7 +62,8 @@ class CompletionState:
             return None
         new_token_ids = out.new_token_ids
         if out.finish_reason == "stop" and not self.params.include_stop_str_in_output:
-            new_token_ids = new_token_ids[:-1]   # the EOS or stop token that ended it is not text
+            # The EOS or stop token that ended it is not text.
+            new_token_ids = new_token_ids[:-1]
         stop_string = self.detokenizer.update(new_token_ids, out.finish_reason is not None)
         if stop_string is not None:
             self.finish_reason, self.stop_reason = "stop", stop_string
@@ -98,7 +101,8 @@ def logprob_entry(row: tuple[list[int], list[float], int], num_top: int, tokeniz
 class RequestState:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 output_kind: RequestOutputKind, completions: list[CompletionState], seq_ids: list[int]):
+                 output_kind: RequestOutputKind, completions: list[CompletionState],
+                 seq_ids: list[int]):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.output_kind, self.completions, self.seq_ids = output_kind, completions, seq_ids
         self.metrics = RequestMetrics(arrival_time=time.time())
@@ -106,7 +110,8 @@ class RequestState:
         # the prompt's logprobs, which come with its first tokens (a DELTA output brings them once)
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.prompt_logprobs_sent = False
-        self.updated: set[int] = set()   # completions with news since the last output
+        # The completions with news since the last output.
+        self.updated: set[int] = set()
 
     @property
     def finished(self) -> bool:
@@ -116,7 +121,8 @@ class RequestState:
         if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = self.output_kind == RequestOutputKind.DELTA
-        completions = [c.completion(delta) for c in self.completions if not delta or c.index in self.updated]
+        completions = [c.completion(delta) for c in self.completions
+                       if not delta or c.index in self.updated]
         self.updated.clear()
         prompt_logprobs = None if delta and self.prompt_logprobs_sent else self.prompt_logprobs
         self.prompt_logprobs_sent |= prompt_logprobs is not None
@@ -135,11 +141,13 @@ class OutputProcessor:
     def add_request(self, prompt: str | None, request: EngineCoreRequest) -> None:
         """Follow a request the core is about to run; its id must not be a live request's."""
         if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use by a live request")
+            raise ValueError(f"request_id {request.request_id!r} is already in use by a live "
+                             "request")
         params, prompt_token_ids = request.params, request.prompt_token_ids
-        completions = [CompletionState(i, p, prompt_token_ids, self.tokenizer) for i, p in enumerate(params)]
-        state = RequestState(request.request_id, prompt, list(prompt_token_ids), params[0].output_kind,
-                             completions, request.seq_ids)
+        completions = [CompletionState(i, p, prompt_token_ids, self.tokenizer)
+                       for i, p in enumerate(params)]
+        state = RequestState(request.request_id, prompt, list(prompt_token_ids),
+                             params[0].output_kind, completions, request.seq_ids)
         self.requests[request.request_id] = state
         for seq_id, completion in zip(request.seq_ids, completions):
             self.seqs[seq_id] = state, completion
@@ -162,11 +170,13 @@ class OutputProcessor:
 
     def process_outputs(self, core_outputs: list[EngineCoreOutput]
                         ) -> tuple[list[RequestOutput], list[tuple[int, str]]]:
-        """The step's RequestOutputs, and the sequences that a stop string ended (seq_id, string)."""
+        """The step's RequestOutputs, and the sequences that a stop string ended (seq_id,
+        string)."""
         touched, stopped, now = {}, [], time.time()
         for out in core_outputs:
             if out.seq_id not in self.seqs:
-                continue   # ended here meanwhile (aborted, a stop string) while its step ran
+                # Ended here (aborted, a stop string) while its step ran.
+                continue
             state, completion = self.seqs[out.seq_id]
             stop_string = completion.update(out)
             if stop_string is not None and out.finish_reason is None:
@@ -178,11 +188,12 @@ class OutputProcessor:
             if out.new_token_ids:
                 state.metrics.first_token_time = state.metrics.first_token_time or now
                 state.metrics.last_token_time = now
-                if completion.index == 0:   # (per sample: the first's)
+                if completion.index == 0:   # (counted for the first sample)
                     state.metrics.num_generation_tokens += len(out.new_token_ids)
             if completion.index == 0:
                 state.num_cached_tokens = out.num_cached_tokens
-            if out.prompt_logprobs is not None and state.prompt_logprobs is None:   # (any sample's)
+            # The prompt's logprobs come with any sample's first output.
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
                 num_top = completion.params.prompt_logprobs
                 state.prompt_logprobs = [None] + [logprob_entry(row, num_top, self.tokenizer)
                                                   for row in out.prompt_logprobs]

@@ -47,8 +47,8 @@ class LLM:
                                                 and type(prompts[0]) is int):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError("prompts must be a str, a list of token ids, a dict with 'prompt' or "
-                             f"'prompt_token_ids', or a list of these; got {type(prompts).__name__}")
+            raise ValueError("prompts must be a str, a list of token ids, a dict with 'prompt' or '"
+                             f"prompt_token_ids', or a list of these; got {type(prompts).__name__}")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -57,8 +57,8 @@ class LLM:
                 isinstance(sp, SamplingParams) for sp in sampling_params):
             raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
                              f"{type(sampling_params).__name__}")
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        if (n := len(sampling_params)) != len(prompts):
+            raise ValueError(f"got {n} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
         request_ids = []
         try:
@@ -72,9 +72,9 @@ class LLM:
 
     def next_request_id(self) -> str:
         """A new id, never one of a live request (which a caller may have chosen)."""
-        while (request_id := str(next(self.request_counter))) in self.llm_engine.output_processor.requests:
+        while (rid := str(next(self.request_counter))) in self.llm_engine.output_processor.requests:
             pass
-        return request_id
+        return rid
 
     def run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine, outputs = self.llm_engine, {}

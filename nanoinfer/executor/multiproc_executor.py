@@ -63,8 +63,9 @@ class MultiprocExecutor:
 
     def __init__(self, config: Config):
         if mp.current_process().name.startswith("nanoinfer-tp"):
-            raise RuntimeError("a tensor-parallel worker, importing the main script, was asked to start an "
-                               "LLM itself: create it under `if __name__ == '__main__':` in your script")
+            raise RuntimeError("a tensor-parallel worker, importing the main script, was asked to "
+                               "start an LLM itself: create it under `if __name__ == '__main__':` "
+                               "in your script")
         ctx = mp.get_context("spawn")
         self.queue = MessageQueue(num_readers=config.world_size)   # calls, to every rank
         self.responses = MessageQueue(num_readers=1)   # the driver's outputs, to this process
@@ -77,10 +78,10 @@ class MultiprocExecutor:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         try:
             for rank in range(config.world_size):
-                self.workers.append(ctx.Process(target=worker_main, name=f"nanoinfer-tp{rank}", daemon=True,
-                                                args=(config, rank, init_method, self.queue,
-                                                      self.responses if rank == driver_rank(config) else None,
-                                                      self.errors)))
+                self.workers.append(ctx.Process(
+                    target=worker_main, name=f"nanoinfer-tp{rank}", daemon=True,
+                    args=(config, rank, init_method, self.queue,
+                          self.responses if rank == driver_rank(config) else None, self.errors)))
                 self.workers[-1].start()
             self.responses.as_reader(0)
             threading.Thread(target=self.monitor_workers, daemon=True).start()
@@ -122,9 +123,9 @@ class MultiprocExecutor:
             finally:
                 stop_processes(self.workers, 0)
                 self.setting_error = next((m for m, _ in reports if m is not None), None)
-                self.failure = (f"tensor-parallel worker {dead.name} (pid {dead.pid}) died with exit code "
-                                f"{dead.exitcode}" + ("".join(f"\n{r}" for _, r in reports)
-                                                      or " (its output may say why)"))
+                detail = "".join(f"\n{r}" for _, r in reports) or " (its output may say why)"
+                self.failure = (f"tensor-parallel worker {dead.name} (pid {dead.pid}) died with "
+                                f"exit code {dead.exitcode}{detail}")
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers and remove the shared memory. Idempotent. `graceful=False` (after an
@@ -139,10 +140,10 @@ class MultiprocExecutor:
                 self.closed = True
             try:
                 if graceful and self.failure is None:   # every worker waits for its next message
-                    deadline = time.monotonic() + 5
+                    limit = time.monotonic() + 5
 
                     def check():
-                        if time.monotonic() > deadline or not all(w.is_alive() for w in self.workers):
+                        if time.monotonic() > limit or not all(w.is_alive() for w in self.workers):
                             raise WorkerDiedError("a worker did not take the shutdown message")
                     try:
                         self.queue.enqueue(("shutdown", ()), check)
@@ -192,13 +193,15 @@ def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue
                                      config.tensor_parallel_size)
         # on a GPU a rank's host work is launching kernels: spare threads would only contend for
         # the cores (docs/BENCHMARKS.md: the eager prefill); on the CPU the ranks share them
-        torch.set_num_threads(max(1, os.cpu_count() // config.world_size) if config.device == "cpu" else 1)
+        torch.set_num_threads(max(1, os.cpu_count() // config.world_size)
+                              if config.device == "cpu" else 1)
         runner = ModelRunner(config)
         outputs = queue.SimpleQueue()   # the driver: launched steps' outputs, for the sender thread
         driver = rank == driver_rank(config)
         if driver:
             responses.enqueue(runner.num_kvcache_blocks, check=lambda: None)
-            threading.Thread(target=send_outputs, args=(outputs, responses, errors, rank), daemon=True).start()
+            threading.Thread(target=send_outputs, args=(outputs, responses, errors, rank),
+                             daemon=True).start()
         executed = None   # the step executed last, for its sample_tokens
         while (call := calls.dequeue(check=lambda: None))[0] != "shutdown":
             method, args = call

@@ -22,7 +22,8 @@ def apply_bitmask_kernel(logits_ptr, masks_ptr, rows_ptr, vocab_size, logits_str
     tl.store(logits_ptr + row * logits_stride + offs, float("-inf"), mask=inside & blocked)
 
 
-def apply_token_bitmask_torch(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor) -> None:
+def apply_token_bitmask_torch(logits: torch.Tensor, masks: torch.Tensor,
+                              rows: torch.Tensor) -> None:
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     bits = (masks[rows.long()].unsqueeze(-1) >> shifts) & 1   # [rows, words, 32]
     logits.masked_fill_(bits.flatten(1)[:, :logits.shape[1]] == 0, float("-inf"))
@@ -31,11 +32,12 @@ def apply_token_bitmask_torch(logits: torch.Tensor, masks: torch.Tensor, rows: t
 def apply_token_bitmask_triton(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor,
                                block: int = 4096) -> None:
     grid = (logits.shape[0], triton.cdiv(logits.shape[1], block))
-    apply_bitmask_kernel[grid](logits, masks, rows, logits.shape[1], logits.stride(0), masks.stride(0),
-                               BLOCK=block)
+    apply_bitmask_kernel[grid](logits, masks, rows, logits.shape[1], logits.stride(0),
+                               masks.stride(0), BLOCK=block)
 
 
 def apply_token_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor) -> None:
     """logits: [n, vocab]; masks: int32 [table rows, ceil(vocab / 32)]; rows: int32 [n], each
     logits row's mask."""
-    (apply_token_bitmask_triton if logits.is_cuda else apply_token_bitmask_torch)(logits, masks, rows)
+    apply = apply_token_bitmask_triton if logits.is_cuda else apply_token_bitmask_torch
+    apply(logits, masks, rows)

@@ -25,7 +25,8 @@ LOG2E = 1.4426950408889634
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """float32 inputs get exact products (not TF32): float32 runs are the ones checked for exactness."""
+    """float32 inputs get exact products (not TF32): float32 runs are the ones checked for
+    exactness."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -34,16 +35,16 @@ def split_range(context_len, split, num_splits, min_split_pages, PAGE: tl.conste
     """The keys [start, end) of one split, and how many splits the sequence uses."""
     num_pages = tl.cdiv(context_len, PAGE)
     split_pages = tl.maximum(tl.cdiv(num_pages, num_splits), min_split_pages)
-    start = split * split_pages * PAGE
-    return start, tl.minimum(start + split_pages * PAGE, context_len), tl.cdiv(num_pages, split_pages)
+    start, span = split * split_pages * PAGE, split_pages * PAGE
+    return start, tl.minimum(start + span, context_len), tl.cdiv(num_pages, split_pages)
 
 
 @triton.jit(do_not_specialize=["num_splits", "min_split_pages"])
 def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                            partial_ptr, lse_ptr, scale_log2, q_stride, bt_stride, num_splits, min_split_pages,
-                            NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                            partial_ptr, lse_ptr, scale_log2, q_stride, bt_stride, num_splits,
+                            min_split_pages, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     start, end, _ = split_range(context_len, split, num_splits, min_split_pages, PAGE)
@@ -77,15 +78,15 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
 
     row = (seq * NUM_KV_HEADS * GROUP + head) * num_splits + split
     h_mask = offs_h < tl.where(start < end, GROUP, 0)   # a split past the context writes nothing
-    tl.store(partial_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / tl.where(l > 0, l, 1.0)[:, None],
-             mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(partial_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+             acc / tl.where(l > 0, l, 1.0)[:, None], mask=h_mask[:, None] & d_mask[None, :])
     tl.store(lse_ptr + row, m + tl.log2(l), mask=h_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "min_split_pages"])
-def decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, out_stride, num_splits, min_split_pages,
-                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, out_stride, num_splits,
+                         min_split_pages, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     seq, head = tl.program_id(0), tl.program_id(1)
     _, _, used = split_range(tl.load(context_lens_ptr + seq), 0, num_splits, min_split_pages, PAGE)
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
@@ -98,7 +99,8 @@ def decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, out_st
                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     total = tl.sum(weight, 0)   # 0 for a padding row (context length 0): it gets zeros
     out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * out_stride + head * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + seq * out_stride + head * HEAD_DIM + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def default_split(num_seqs: int, num_kv_heads: int, device: torch.device) -> tuple[int, int]:
@@ -106,7 +108,8 @@ def default_split(num_seqs: int, num_kv_heads: int, device: torch.device) -> tup
     over the SMs. Slices are long (`MIN_SPLIT_PAGES`) when the sequences alone fill the SMs, and
     shorter when they do not (8 pages, or 4 below a quarter of the SMs): at batch 1 a program's
     time is the latency of its loop over the slice, not the bandwidth it uses."""
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+               if device.type == "cuda" else 8)
     programs = num_seqs * num_kv_heads
     num_splits = max(1, min(MAX_SPLITS, triton.cdiv(TARGET_WAVES * num_sms, programs)))
     if programs >= num_sms:
@@ -117,26 +120,27 @@ def default_split(num_seqs: int, num_kv_heads: int, device: torch.device) -> tup
 TARGET_WAVES, MAX_SPLITS, MIN_SPLIT_PAGES = 16, 32, 32   # measured on an H200: docs/BENCHMARKS.md
 
 
-def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
-                     min_split_pages: int | None = None, block_n: int = 64, num_stages: int = 2) -> torch.Tensor:
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     num_splits: int | None = None, min_split_pages: int | None = None,
+                     block_n: int = 64, num_stages: int = 2) -> torch.Tensor:
     """query: [seqs, heads, head_dim], one token per sequence -> output of the same shape."""
     num_seqs, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
+    group, precision = num_heads // num_kv_heads, dot_precision(query.dtype)
     splits, min_pages = default_split(num_seqs, num_kv_heads, query.device)
     num_splits = splits if num_splits is None else num_splits
     min_split_pages = min_pages if min_split_pages is None else min_split_pages
-    partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
-    lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
-    block_d = triton.next_power_of_2(head_dim)
+    partial = query.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
+    lse = query.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
+    block_d, block_h = triton.next_power_of_2(head_dim), max(16, triton.next_power_of_2(group))
     decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, context_lens, partial, lse, scale * LOG2E,
-        query.stride(0), block_tables.stride(0), num_splits, min_split_pages, NUM_KV_HEADS=num_kv_heads,
-        GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=dot_precision(query.dtype), num_warps=4, num_stages=num_stages)
-    out = torch.empty_like(query)
+        query.stride(0), block_tables.stride(0), num_splits, min_split_pages,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_H=block_h,
+        BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=precision, num_warps=4, num_stages=num_stages)
+    out, block_s = torch.empty_like(query), triton.next_power_of_2(num_splits)
     decode_reduce_kernel[(num_seqs, num_heads)](
-        partial, lse, out, context_lens, out.stride(0), num_splits, min_split_pages, NUM_HEADS=num_heads,
-        HEAD_DIM=head_dim, PAGE=page, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+        partial, lse, out, context_lens, out.stride(0), num_splits, min_split_pages,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_S=block_s, BLOCK_D=block_d)
     return out

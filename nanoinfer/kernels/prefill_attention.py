@@ -17,11 +17,11 @@ from nanoinfer.kernels.decode_attention import LOG2E, dot_precision
 
 
 @triton.jit
-def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-                             block_tables_ptr, scale_log2, q_stride, out_stride, bt_stride,
-                             NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr,
+                             context_lens_ptr, block_tables_ptr, scale_log2, q_stride, out_stride,
+                             bt_stride, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
@@ -70,9 +70,10 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlen
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                      max_seqlen_q: int, scale: float) -> torch.Tensor:
-    """query: [tokens, heads, head_dim] of all sequences back to back -> output of the same shape."""
+                      cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                      block_tables: torch.Tensor, max_seqlen_q: int, scale: float) -> torch.Tensor:
+    """query: [tokens, heads, head_dim] of all sequences back to back -> output of the same
+    shape."""
     num_heads, head_dim = query.shape[1:]
     _, page, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(query)

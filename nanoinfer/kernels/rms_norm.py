@@ -10,8 +10,8 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, x_stride, residual_stride, out_stride, n, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, x_stride, residual_stride,
+                    out_stride, n, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -25,11 +25,12 @@ def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, x_stride, residual
     tl.store(out_ptr + row * out_stride + offs, weight * normed, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
     """x: [rows, n] -> normalized rows; with `residual`, also returns the updated residual."""
-    out = torch.empty_like(x)
+    out, n = torch.empty_like(x), x.shape[1]
     has_residual = residual is not None
     rms_norm_kernel[(x.shape[0],)](x, residual if has_residual else x, weight, out, x.stride(0),
-                                   residual.stride(0) if has_residual else 0, out.stride(0), x.shape[1], eps,
-                                   HAS_RESIDUAL=has_residual, BLOCK=triton.next_power_of_2(x.shape[1]))
+                                   residual.stride(0) if has_residual else 0, out.stride(0), n, eps,
+                                   HAS_RESIDUAL=has_residual, BLOCK=triton.next_power_of_2(n))
     return (out, residual) if has_residual else out

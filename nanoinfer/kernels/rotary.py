@@ -11,8 +11,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride, token, num_heads, cos, sin, norm_ptr, eps,
-                  HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+def _rotate_heads(x_ptr, stride, token, num_heads, cos, sin, norm_ptr, eps, HEAD_DIM: tl.constexpr,
+                  HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
     offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, HALF)
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM // 2)
     ptrs = x_ptr + token * stride + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
@@ -32,25 +32,29 @@ def _rotate_heads(x_ptr, stride, token, num_heads, cos, sin, norm_ptr, eps,
 
 @triton.jit
 def rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
-                  q_stride, k_stride, num_q_heads, num_k_heads, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
-                  BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr):
+                  q_stride, k_stride, num_q_heads, num_k_heads, HEAD_DIM: tl.constexpr,
+                  HAS_NORM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                  HALF: tl.constexpr):
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token)
     offs_d = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + offs_d, mask=offs_d < HEAD_DIM // 2)
     sin = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + offs_d, mask=offs_d < HEAD_DIM // 2)
-    _rotate_heads(q_ptr, q_stride, token, num_q_heads, cos, sin, q_norm_ptr, eps, HEAD_DIM, HAS_NORM, BLOCK_Q, HALF)
-    _rotate_heads(k_ptr, k_stride, token, num_k_heads, cos, sin, k_norm_ptr, eps, HEAD_DIM, HAS_NORM, BLOCK_K, HALF)
+    _rotate_heads(q_ptr, q_stride, token, num_q_heads, cos, sin, q_norm_ptr, eps, HEAD_DIM,
+                  HAS_NORM, BLOCK_Q, HALF)
+    _rotate_heads(k_ptr, k_stride, token, num_k_heads, cos, sin, k_norm_ptr, eps, HEAD_DIM,
+                  HAS_NORM, BLOCK_K, HALF)
 
 
-def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
-                      sin_cache: torch.Tensor, q_norm: torch.Tensor | None = None,
-                      k_norm: torch.Tensor | None = None, eps: float = 0.0) -> None:
+def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                      q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                      eps: float = 0.0) -> None:
     """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], rows may be strided views."""
     num_tokens, num_q_heads, head_dim = q.shape
     has_norm = q_norm is not None
     rotary_kernel[(num_tokens,)](
-        q, k, positions, cos_cache, sin_cache, q_norm if has_norm else q, k_norm if has_norm else k, eps,
-        q.stride(0), k.stride(0), num_q_heads, k.shape[1], HEAD_DIM=head_dim, HAS_NORM=has_norm,
-        BLOCK_Q=triton.next_power_of_2(num_q_heads), BLOCK_K=triton.next_power_of_2(k.shape[1]),
-        HALF=triton.next_power_of_2(head_dim // 2))
+        q, k, positions, cos_cache, sin_cache, q_norm if has_norm else q, k_norm if has_norm else k,
+        eps, q.stride(0), k.stride(0), num_q_heads, k.shape[1], HEAD_DIM=head_dim,
+        HAS_NORM=has_norm, BLOCK_Q=triton.next_power_of_2(num_q_heads),
+        BLOCK_K=triton.next_power_of_2(k.shape[1]), HALF=triton.next_power_of_2(head_dim // 2))

@@ -16,19 +16,19 @@ import triton.language as tl
 
 
 @triton.jit
-def gumbel_max_kernel(logits_ptr, temperatures_ptr, seeds_ptr, best_ptr, best_idx_ptr, vocab_size, row_stride,
-                      split_len, num_splits, BLOCK: tl.constexpr):
+def gumbel_max_kernel(logits_ptr, temperatures_ptr, seeds_ptr, best_ptr, best_idx_ptr, vocab_size,
+                      row_stride, split_len, num_splits, BLOCK: tl.constexpr):
     row, split = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
     seed = tl.load(seeds_ptr + row)
     inv_t = 1.0 / tl.where(temperature > 0, temperature, 1.0)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK], tl.int32)
-    start = split * split_len
+    start, logits_row = split * split_len, logits_ptr + row * row_stride
     for off in range(start, tl.minimum(start + split_len, vocab_size), BLOCK):
         offs = off + tl.arange(0, BLOCK)
         mask = offs < vocab_size
-        x = tl.load(logits_ptr + row * row_stride + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        x = tl.load(logits_row + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
         # one Philox call gives 32 random bits for each of 4 neighbouring tokens
         if temperature > 0:
             r0, r1, r2, r3 = tl.randint4x(seed, off // 4 + tl.arange(0, BLOCK // 4))
@@ -50,11 +50,12 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: t
     """logits [rows, vocab] (any float dtype), temperatures float32 [rows] (0 = greedy), seeds
     int64 [rows] -> sampled token ids int64 [rows]."""
     rows, vocab = logits.shape
-    num_sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 8
+    num_sms = (torch.cuda.get_device_properties(logits.device).multi_processor_count
+               if logits.is_cuda else 8)
     num_splits = max(1, min(triton.cdiv(vocab, 8 * block), triton.cdiv(4 * num_sms, rows)))
-    split_len = triton.cdiv(triton.cdiv(vocab, num_splits), block) * block
+    split_len, grid = triton.cdiv(triton.cdiv(vocab, num_splits), block) * block, (rows, num_splits)
     best = torch.empty(rows, num_splits, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(rows, num_splits, dtype=torch.int32, device=logits.device)
-    gumbel_max_kernel[(rows, num_splits)](logits, temperatures, seeds, best, best_idx, vocab, logits.stride(0),
-                                          split_len, num_splits, BLOCK=block, num_warps=8)
+    gumbel_max_kernel[grid](logits, temperatures, seeds, best, best_idx, vocab, logits.stride(0),
+                            split_len, num_splits, BLOCK=block, num_warps=8)
     return best_idx.gather(1, best.argmax(1, keepdim=True)).squeeze(1).long()

@@ -10,8 +10,8 @@ import triton.language as tl
 
 
 @triton.jit
-def store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, key_stride, value_stride,
-                    ROW: tl.constexpr, BLOCK: tl.constexpr):
+def store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, key_stride,
+                    value_stride, ROW: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
@@ -30,7 +30,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     caches: [blocks, block_size, kv_heads, head_dim]."""
     num_tokens, num_kv_heads, head_dim = key.shape
     for t in (key, value):
-        assert t.stride(2) == 1 and t.stride(1) == head_dim, "each token's K/V row must be contiguous"
+        assert t.stride()[1:] == (head_dim, 1), "each token's K/V row must be contiguous"
     row = num_kv_heads * head_dim
-    store_kv_kernel[(num_tokens,)](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
-                                   ROW=row, BLOCK=triton.next_power_of_2(row))
+    store_kv_kernel[(num_tokens,)](key, value, k_cache, v_cache, slot_mapping, key.stride(0),
+                                   value.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row))

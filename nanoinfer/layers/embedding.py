@@ -21,9 +21,9 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_group = get_tp_group()
         self.tp_rank, self.tp_size = self.tp_group.rank_in_group, self.tp_group.world_size
         self.num_embeddings = num_embeddings
-        self.num_per_partition = cdiv(num_embeddings, self.tp_size)
+        self.num_per_partition = per_rank = cdiv(num_embeddings, self.tp_size)
         self.vocab_start = self.tp_rank * self.num_per_partition
-        self.weight = nn.Parameter(torch.zeros(self.num_per_partition, embedding_dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded_weight) -> None:

@@ -19,7 +19,8 @@ from nanoinfer.distributed import get_tp_group, get_tp_size
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size={denominator}")
+        raise ValueError(f"{what} ({numerator}) is not divisible by "
+                         f"tensor_parallel_size={denominator}")
     return numerator // denominator
 
 
@@ -44,13 +45,15 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def copy_shard(dst: torch.Tensor, loaded_weight, dim: int = 0, start: int = 0, full_size: int | None = None) -> None:
+def copy_shard(dst: torch.Tensor, loaded_weight, dim: int = 0, start: int = 0,
+               full_size: int | None = None) -> None:
     """Copy [start, start + dst's size) along `dim` of a checkpoint tensor, whose size along `dim`
     must be `full_size` (default: dst's), into `dst`. `loaded_weight` is a tensor or a safetensors
     slice, from which only that part is read."""
     expected = list(dst.shape)
     expected[dim] = expected[dim] if full_size is None else full_size
-    shape = list(loaded_weight.shape if isinstance(loaded_weight, torch.Tensor) else loaded_weight.get_shape())
+    shape = list(loaded_weight.shape if isinstance(loaded_weight, torch.Tensor)
+                 else loaded_weight.get_shape())
     if shape != expected:
         raise ValueError(f"checkpoint tensor has shape {tuple(shape)}, expected {tuple(expected)}")
     index = (slice(None),) * dim + (slice(start, start + dst.shape[dim]),)
@@ -109,10 +112,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            dst, start, full = param.data.narrow(0, 0, q_size), self.tp_rank * q_size, q_size * self.tp_size
+            dst, start, full = param.data[:q_size], self.tp_rank * q_size, q_size * self.tp_size
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
-            dst, start = param.data.narrow(0, offset, kv_size), self.tp_rank // self.kv_replicas * kv_size
+            dst = param.data.narrow(0, offset, kv_size)
+            start = self.tp_rank // self.kv_replicas * kv_size
             full = self.total_num_kv_heads * self.head_dim
         copy_shard(dst, loaded_weight, 0, start, full)
 
@@ -129,4 +133,5 @@ class RowParallelLinear(LinearBase):
         copy_shard(param.data, loaded_weight, 1, self.tp_rank * size, size * self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp_group.all_reduce(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None))
+        bias = self.bias if self.tp_rank == 0 else None
+        return self.tp_group.all_reduce(F.linear(x, self.weight, bias))

@@ -24,12 +24,14 @@ def rope_config(hf_config) -> tuple[float, dict | None]:
     if params and "rope_theta" in params:
         theta, scaling = params["rope_theta"], params
     else:
-        theta, scaling = getattr(hf_config, "rope_theta", 10000.0), getattr(hf_config, "rope_scaling", None)
+        theta = getattr(hf_config, "rope_theta", 10000.0)
+        scaling = getattr(hf_config, "rope_scaling", None)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
-        raise ValueError(f"rope type {rope_type!r} is not supported; nanoinfer supports 'default' and 'llama3'")
+        raise ValueError(f"rope type {rope_type!r} is not supported; "
+                         "nanoinfer supports 'default' and 'llama3'")
     return theta, scaling
 
 
@@ -48,7 +50,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / theta ** exponent
         if scaling is not None:
             inv_freq = llama3_inv_freq(inv_freq, scaling)
         freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
@@ -57,7 +60,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; q_norm/k_norm: per-head RMSNorms."""
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; q_norm/k_norm: per-head
+        RMSNorms."""
         if q.is_cuda:
             from nanoinfer.kernels.rotary import rotary_embedding_
             norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else ()

@@ -86,8 +86,9 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
     logits[pen.rows] = x.to(logits.dtype)
 
 
-def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None,
-                            min_ps: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
+                            top_ps: torch.Tensor | None, min_ps: torch.Tensor | None
+                            ) -> torch.Tensor:
     """Set the logits that the masks drop to -inf. Ties at the top-k boundary are kept."""
     if top_ks is not None or top_ps is not None:
         sorted_logits, order = logits.sort(dim=-1)   # ascending
@@ -135,8 +136,10 @@ def score_prompt_tokens(compute_logits, hidden_states: torch.Tensor, index: torc
     return [torch.cat(parts) for parts in zip(*out)] if out else None
 
 
-def exponential_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """The draw in torch (the CPU's path, and the GPU kernel's reference); T = 0 rows take the argmax."""
+def exponential_race(logits: torch.Tensor, temperatures: torch.Tensor,
+                     seeds: torch.Tensor) -> torch.Tensor:
+    """The draw in torch (the CPU's path, and the GPU kernel's reference); T = 0 rows take the
+    argmax."""
     scaled = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
     noise = torch.empty_like(scaled)
     for row, seed in enumerate(seeds.tolist()):
@@ -173,7 +176,7 @@ class Sampler(nn.Module):
             return logits.argmax(dim=-1)
         temps = meta.temperatures
         if meta.top_ks is not None or meta.top_ps is not None or meta.min_ps is not None:
-            logits = apply_top_k_top_p_min_p(logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1),
+            logits = apply_top_k_top_p_min_p(logits / torch.where(temps > 0, temps, 1.0)[:, None],
                                              meta.top_ks, meta.top_ps, meta.min_ps)
             temps = (temps > 0).float()   # already applied
         draw = gumbel_max_sample if logits.is_cuda else exponential_race

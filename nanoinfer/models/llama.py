@@ -31,16 +31,16 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config, max_position: int):
         super().__init__()
-        total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = head_dim(config)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = dim = head_dim(config)
         is_qwen2 = config.model_type == "qwen2"
         qkv_bias = is_qwen2 or getattr(config, "attention_bias", False)
         o_bias = not is_qwen2 and getattr(config, "attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, dim, heads, kv_heads, qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, o_bias)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, *rope_config(config))
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.o_proj = RowParallelLinear(heads * dim, config.hidden_size, o_bias)
+        self.rotary_emb = RotaryEmbedding(dim, max_position, *rope_config(config))
+        self.attn = Attention(self.num_heads, dim, dim ** -0.5, self.num_kv_heads)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -62,11 +62,11 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        bias = getattr(config, "mlp_bias", False)
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; nanoinfer supports 'silu'")
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
+        bias, hidden = getattr(config, "mlp_bias", False), config.hidden_size
+        if (act := config.hidden_act) != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; nanoinfer supports 'silu'")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [config.intermediate_size] * 2, bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, hidden, bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,17 +96,18 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config, max_position: int):
         super().__init__()
-        pp = get_pp_group()
+        pp, vocab, hidden = get_pp_group(), config.vocab_size, config.hidden_size
         self.stage = stage_layers(config.num_hidden_layers, pp.world_size, pp.rank_in_group)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if pp.is_first else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, max_position) if i in self.stage else nn.Identity()
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
+        self.embed_tokens = VocabParallelEmbedding(vocab, hidden) if pp.is_first else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, max_position) if i in self.stage
+                                    else nn.Identity() for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(hidden, config.rms_norm_eps) if pp.is_last else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The final hidden states, or on a stage before the last: (hidden states, residual)."""
-        hidden_states, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        hidden_states, residual = ((self.embed_tokens(input_ids), None) if intermediate is None
+                                   else intermediate)
         for layer in self.layers[self.stage.start:self.stage.stop]:
             hidden_states, residual = layer(positions, hidden_states, residual)
         if self.norm is None:
@@ -137,7 +138,8 @@ class LlamaForCausalLM(nn.Module):
                                      if i not in self.model.stage)
         self.skipped_weights += ("model.embed_tokens.",) * (not first and not tied_elsewhere)
         self.skipped_weights += ("model.norm.", "lm_head.") * (not last)
-        self.renamed_weights = {"model.embed_tokens.weight": "lm_head.weight"} if tied_elsewhere else {}
+        self.renamed_weights = (
+            {"model.embed_tokens.weight": "lm_head.weight"} if tied_elsewhere else {})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):

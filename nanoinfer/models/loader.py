@@ -35,7 +35,8 @@ def load_model(model: nn.Module, path: str) -> None:
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue   # a buffer some old checkpoints store; recomputed from the config
-                if name == "lm_head.weight" and model.tie_word_embeddings or name.startswith(skipped):
+                if (name == "lm_head.weight" and model.tie_word_embeddings
+                        or name.startswith(skipped)):
                     continue   # tied: the LM head is the embedding; or the model does without it
                 target, shard_id = getattr(model, "renamed_weights", {}).get(name, name), None
                 for ckpt_name, (packed_name, packed_shard) in model.packed_modules_mapping.items():
@@ -44,7 +45,8 @@ def load_model(model: nn.Module, path: str) -> None:
                         break
                 param = params.get(target)
                 if param is None:
-                    raise ValueError(f"unexpected tensor {name!r} in {file}: the model has no such parameter")
+                    raise ValueError(f"unexpected tensor {name!r} in {file}: "
+                                     "the model has no such parameter")
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
                     tensor = f.get_slice(name)   # read lazily: each rank reads only its part

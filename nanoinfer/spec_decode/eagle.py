@@ -39,11 +39,13 @@ class EagleModel(nn.Module):
 
     def __init__(self, config, max_position: int):
         super().__init__()
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=getattr(config, "bias", False))
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=getattr(config, "bias", False))
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, max_position)])
         del self.layers[0].input_layernorm   # its input is fc's output, not normalised
 
-    def forward(self, embeds: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, hidden_states: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
         x = self.fc(torch.cat([embeds, hidden_states], dim=-1))
         layer = self.layers[0]
         h, residual = layer.post_attention_layernorm(layer.self_attn(positions, x), x)
@@ -55,12 +57,13 @@ class EagleProposer:
     def __init__(self, path: str, k: int, target: nn.Module, target_config, max_model_len: int,
                  block_size: int, tp_group):
         config = AutoConfig.from_pretrained(path)
-        shape = lambda c: (c.hidden_size, c.num_key_value_heads, head_dim(c))  # noqa: E731
-        if shape(config) != shape(target_config):
-            raise ValueError(f"the EAGLE head in {path!r} has (hidden_size, num_key_value_heads, head_dim) = "
-                             f"{shape(config)}, the model {shape(target_config)}: they must be equal")
-        self.k, self.target, self.max_model_len, self.block_size = k, target, max_model_len, block_size
-        self.tp_group = tp_group
+        shape, target_shape = ((c.hidden_size, c.num_key_value_heads, head_dim(c))
+                               for c in (config, target_config))
+        if shape != target_shape:
+            raise ValueError(f"the EAGLE head in {path!r} has (hidden_size, num_key_value_heads, "
+                             f"head_dim) = {shape}, the model {target_shape}: they must be equal")
+        self.k, self.target, self.max_model_len = k, target, max_model_len
+        self.block_size, self.tp_group = block_size, tp_group
         self.model = EagleModel(config, max_model_len + k)
         load_model(self.model, path)
 
@@ -77,8 +80,9 @@ class EagleProposer:
         input_ids = torch.cat([step.input_ids[1:], step.input_ids[-1:]])
         input_ids[step.last_rows] = step.next_token_ids   # a chunk's next prompt token
         input_ids[last_rows] = emitted
+        embed = self.target.model.embed_tokens
         with set_forward_context(step.attn_metadata):
-            out = self.model(self.target.model.embed_tokens(input_ids), hidden_states, step.positions)
+            out = self.model(embed(input_ids), hidden_states, step.positions)
         # nobody samples: the pass only wrote the new positions' keys and values
         if not len(last_rows):
             return None
@@ -92,17 +96,19 @@ class EagleProposer:
                 return torch.stack(drafts, dim=1)
             positions = positions + 1   # the next pass: one position per request
             with set_forward_context(self.decode_metadata(positions, step.sample_block_tables)):
-                hidden_states = self.model(self.target.model.embed_tokens(draft), hidden_states, positions)
+                hidden_states = self.model(embed(draft), hidden_states, positions)
 
-    def decode_metadata(self, positions: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
+    def decode_metadata(self, positions: torch.Tensor, block_tables: torch.Tensor
+                        ) -> AttentionMetadata:
         """One query per request at `positions`; past max_model_len nothing is written or read."""
         inside = positions < self.max_model_len
         positions = positions.clamp(max=self.max_model_len - 1)
         col = (positions // self.block_size).unsqueeze(1)
-        slots = block_tables.gather(1, col).squeeze(1).long() * self.block_size + positions % self.block_size
-        n = len(positions)
-        return AttentionMetadata(cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=positions.device),
+        bs = self.block_size
+        slots = block_tables.gather(1, col).squeeze(1).long() * bs + positions % bs
+        cu_seqlens_q = torch.arange(len(positions) + 1, dtype=torch.int32, device=positions.device)
+        return AttentionMetadata(cu_seqlens_q=cu_seqlens_q,
                                  context_lens=(positions + 1).to(torch.int32),
-                                 slot_mapping=torch.where(inside, slots, -1), block_tables=block_tables,
-                                 max_seqlen_q=1)
+                                 slot_mapping=torch.where(inside, slots, -1),
+                                 block_tables=block_tables, max_seqlen_q=1)
 

@@ -27,7 +27,8 @@ class ResidualBlock(nn.Module):
 
     def __init__(self, hidden_size: int, num_layers: int, bias: bool):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers))
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=bias)
+                                    for _ in range(num_layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -45,14 +46,18 @@ class Medusa(nn.Module):
         num_heads = config.get("num_heads", config.get("medusa_num_heads"))
         num_layers = config.get("num_hidden_layers", config.get("medusa_num_layers", 1))
         if (config.get("hidden_size"), config.get("vocab_size")) != (hidden_size, vocab_size):
-            raise ValueError(f"the Medusa heads in {path!r} are for hidden_size={config.get('hidden_size')}, "
-                             f"vocab_size={config.get('vocab_size')}; the model has {hidden_size}, {vocab_size}")
+            raise ValueError(f"the Medusa heads in {path!r} are for hidden_size="
+                             f"{config.get('hidden_size')}, vocab_size={config.get('vocab_size')}; "
+                             f"the model has {hidden_size}, {vocab_size}")
         if not isinstance(num_heads, int) or num_heads < k:
-            raise ValueError(f"num_speculative_tokens={k} needs {k} Medusa heads; {path!r} has {num_heads}")
+            raise ValueError(f"num_speculative_tokens={k} needs {k} Medusa heads; {path!r} has "
+                             f"{num_heads}")
         bias = config.get("medusa_fc_bias", False)
         self.blocks = nn.ModuleList(ResidualBlock(hidden_size, num_layers, bias) for _ in range(k))
-        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(k))
-        self.skipped_weights = tuple(f"{m}.{i}." for i in range(k, num_heads) for m in ("blocks", "lm_heads"))
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False)
+                                      for _ in range(k))
+        self.skipped_weights = tuple(f"{m}.{i}." for i in range(k, num_heads)
+                                     for m in ("blocks", "lm_heads"))
         load_model(self, path)   # the names above are the checkpoint's; heads beyond k are skipped
 
     def propose(self, step, hidden_states: torch.Tensor, last_rows: torch.Tensor,

@@ -7,7 +7,8 @@ draft. The rule (Leviathan et al., 2023; vLLM's), walking j = 1..k:
 - at the first rejection, emit a token drawn from norm(max(p_j - q_j, 0)) and stop;
 - if all k are accepted, emit a bonus token drawn from p_{k+1}.
 So a step emits 1 to k+1 tokens. Why the emitted token is distributed as p exactly:
-    P(y) = min(p, q)(y) + (1 - sum_z min(p, q)(z)) * (p - min(p, q))(y) / sum_z (p - min(p, q))(z) = p(y),
+    P(y) = min(p, q)(y) + (1 - sum_z min(p, q)(z)) * (p - min(p, q))(y) / sum_z (p - min(p, q))(z)
+         = p(y),
 because both sums are the same mass (1 - sum min(p, q)); position after position, each conditioned
 on the accepted prefix, this gives the target's joint distribution.
 

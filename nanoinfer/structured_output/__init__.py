@@ -106,12 +106,15 @@ class StructuredOutputManager:
 
     def token_index(self, regex: str) -> TokenIndex:
         if self.vocab is None:
-            self.vocab = Vocabulary(vocabulary_bytes(self.tokenizer, self.vocab_size), self.eos_token_ids)
+            vocab_bytes = vocabulary_bytes(self.tokenizer, self.vocab_size)
+            self.vocab = Vocabulary(vocab_bytes, self.eos_token_ids)
         index = self.indexes.get(regex)
         if index is None:
             index = TokenIndex(compile_regex(regex), self.vocab)
             index.bitmask(index.dfa.start)
-            self.warmer.submit(index.warm, lambda: self.closed or self.indexes.get(regex) is not index)
+            def stale() -> bool:   # closed, or the index left the cache
+                return self.closed or self.indexes.get(regex) is not index
+            self.warmer.submit(index.warm, stale)
             if len(self.indexes) >= MAX_CACHED_GRAMMARS:
                 self.evicted.append(self.indexes.pop(next(iter(self.indexes))))   # the oldest
             self.indexes[regex] = index
@@ -138,7 +141,9 @@ class StructuredOutputManager:
             new_keys = dict.fromkeys(keys)
         for key in new_keys:
             self.rows[key], self.next_row = self.next_row, self.next_row + 1
-        new_masks = np.stack([index.bitmask(state) for index, state in new_keys]) if new_keys else None
+        new_masks = None
+        if new_keys:
+            new_masks = np.stack([index.bitmask(state) for index, state in new_keys])
         return GrammarOutput(seq_ids, num_rows, [self.rows[key] for key in keys],
                              [self.rows[key] for key in new_keys], new_masks)
 

@@ -30,7 +30,8 @@ from nanoinfer.utils import cdiv
 def byte_level_alphabet() -> dict[str, int]:
     """GPT-2's map from stand-in character to byte: printable bytes stand for themselves, the
     others for the characters from U+0100 on, in order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    # The bytes of "!" to "~", "¡" to "¬" and "®" to "ÿ".
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     others = [b for b in range(256) if b not in printable]
     return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
@@ -63,14 +64,14 @@ class Vocabulary:
     """A tokenizer's tokens as a byte matrix, made once per engine."""
 
     def __init__(self, token_bytes: list[bytes | None], eos_token_ids: list[int]):
-        self.token_bytes, self.eos_token_ids, self.size = token_bytes, eos_token_ids, len(token_bytes)
-        self.ids = np.array([i for i, b in enumerate(token_bytes) if b], np.int64)
-        self.lengths = np.array([len(token_bytes[i]) for i in self.ids], np.int64)
-        self.matrix = np.zeros((len(self.ids), self.lengths.max(initial=1)), np.uint8)
-        rows = np.repeat(np.arange(len(self.ids)), self.lengths)
-        cols = np.arange(len(rows)) - np.repeat(np.cumsum(self.lengths) - self.lengths, self.lengths)
-        self.matrix[rows, cols] = np.frombuffer(b"".join(token_bytes[i] for i in self.ids), np.uint8)
-        self.num_words = cdiv(self.size, 32)
+        self.token_bytes, self.eos_token_ids = token_bytes, eos_token_ids
+        self.ids = ids = np.array([i for i, b in enumerate(token_bytes) if b], np.int64)
+        self.lengths = lengths = np.array([len(token_bytes[i]) for i in ids], np.int64)
+        self.matrix = np.zeros((len(ids), lengths.max(initial=1)), np.uint8)
+        rows = np.repeat(np.arange(len(ids)), lengths)
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        self.matrix[rows, cols] = np.frombuffer(b"".join(token_bytes[i] for i in ids), np.uint8)
+        self.size, self.num_words = len(token_bytes), cdiv(len(token_bytes), 32)
 
 
 class TokenIndex:
@@ -99,10 +100,10 @@ class TokenIndex:
     def allowed(self, state: int, ends: np.ndarray | None = None) -> np.ndarray:
         """Bool [vocab size]: the tokens allowed in `state`."""
         allowed = (self.next_states(state) if ends is None else ends) != 0
+        # EOS is allowed in an accepting state, in state 0 (after an EOS that ignore_eos let pass)
+        # and in a state no token leaves (in a vocabulary without all bytes).
         if state == 0 or self.dfa.accepting[state] or not allowed.any():
-            # (0: after an EOS that ignore_eos let pass; a state
             allowed[self.vocab.eos_token_ids] = True
-        # no token leaves, in a vocabulary without all bytes)
         return allowed
 
     def bitmask(self, state: int, ends: np.ndarray | None = None) -> np.ndarray:
@@ -111,7 +112,7 @@ class TokenIndex:
         if mask is None:
             bits = np.zeros(self.vocab.num_words * 32, np.bool_)
             bits[:self.vocab.size] = self.allowed(state, ends)
-            mask = self.masks[state] = np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+            mask = self.masks[state] = np.packbits(bits, bitorder="little").view("<i4").astype("i4")
         return mask
 
     def warm(self, stop: Callable[[], bool], max_states: int = 256) -> None:

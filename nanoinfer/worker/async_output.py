@@ -29,18 +29,20 @@ class AsyncModelRunnerOutput:
     """A launched step's sampled tokens on their way to the host: `get_output` waits for them."""
 
     def __init__(self, seq_ids: list[int], sampled: SamplerOutput | None = None,
-                 rows_per_request: list[int] | None = None, drafts: torch.Tensor | None = None):
+                 rows_per_request: list[int] | None = None, drafts: torch.Tensor | None = None,
+                 kv_loaded: dict[int, int] | None = None, prompt_logprobs: tuple | None = None,
+                 kv_saved: tuple | None = None):
         """sampled: a row of tokens per request (padded with -1), and logprobs a row per sample row
-        (`rows_per_request` of them per request: its drafts and one; one each by default)."""
+        (`rows_per_request` of them per request: its drafts and one; one each by default). The
+        optional mechanisms': the next step's drafts; seq_id -> a KV connector's blocks loaded in
+        the step, and (its saver, the ticket of the step's saves); the step's prompt tokens'
+        logprobs, (the layout, the rows)."""
         self.seq_ids, self.sampled, self.copied = seq_ids, None, None
-        self.kv_loaded: dict[int, int] | None = None   # a KV connector's blocks, loaded in the step
-        # (a KV connector's saver, the ticket of the step's saves)
-        self.kv_saved: tuple | None = None
-        # the step's prompt tokens' logprobs: (the layout, the rows)
-        self.prompt_logprobs: tuple[list, tuple | None] | None = None
-        self.rows_per_request = rows_per_request
+        self.rows_per_request, self.kv_loaded, self.kv_saved = rows_per_request, kv_loaded, kv_saved
+        self.prompt_logprobs = prompt_logprobs
         self.drafts = None if drafts is None else drafts.to("cpu", non_blocking=True)
-        if sampled is not None:   # copies queued behind the step's kernels; the host goes on
+        # Copies queued behind the step's kernels: the host goes on meanwhile.
+        if sampled is not None:
             fields = (sampled.sampled_token_ids, sampled.logprob_token_ids, sampled.logprobs,
                       sampled.sampled_token_ranks)
             copies, self.copied = to_host([t for t in fields if t is not None])
@@ -48,7 +50,8 @@ class AsyncModelRunnerOutput:
             self.sampled = SamplerOutput(*(None if t is None else next(copies) for t in fields))
 
     def get_output(self) -> ModelRunnerOutput:
-        if self.kv_saved is not None:   # a producer reports a step once its blocks are saved
+        # A KV connector's producer reports a step once its blocks are saved.
+        if self.kv_saved is not None:
             saver, ticket = self.kv_saved
             saver.wait(ticket)
         if self.sampled is None:
@@ -56,13 +59,14 @@ class AsyncModelRunnerOutput:
         if self.copied is not None:
             self.copied.synchronize()
         token_ids = self.sampled.sampled_token_ids.tolist()
-        if self.rows_per_request is not None:   # verified drafts: rows padded with -1
+        if self.rows_per_request is not None:   # (verified drafts: rows padded with -1)
             token_ids = [[t for t in row if t >= 0] for row in token_ids]
         out = ModelRunnerOutput(self.seq_ids, token_ids, kv_loaded=self.kv_loaded,
                                 prompt_logprobs=self.prompt_rows())
         if self.drafts is not None:
             out.spec_token_ids = self.drafts.tolist()
-        if self.sampled.logprobs is not None:   # a request's emitted tokens: its first sample rows
+        # A request's emitted tokens' logprobs are those of its first sample rows.
+        if self.sampled.logprobs is not None:
             per_request = self.rows_per_request or [1] * len(self.seq_ids)
             starts = itertools.accumulate(per_request, initial=0)
             rows = [start + j for start, new in zip(starts, out.sampled_token_ids)

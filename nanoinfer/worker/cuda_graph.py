@@ -15,24 +15,32 @@ it with one launch. A graph has fixed shapes and fixed addresses, so:
 import torch
 
 from nanoinfer.attention import AttentionMetadata, set_forward_context
+from nanoinfer.config import Config
+from nanoinfer.utils import cdiv
 
 
 class CUDAGraphRunner:
 
-    def __init__(self, model: torch.nn.Module, max_batch_size: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, first_stage: bool = True, last_stage: bool = True):
-        self.batch_sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_batch_size + 1, 16), max_batch_size]
-                                   if b <= max_batch_size})
-        n = self.batch_sizes[-1]
-        zeros = lambda *shape, dtype=torch.int32: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+    def __init__(self, model: torch.nn.Module, config: Config, device: torch.device,
+                 first_stage: bool = True, last_stage: bool = True):
+        max_batch_size = min(config.max_num_seqs, 512)
+        sizes = [1, 2, 4, 8, *range(16, max_batch_size + 1, 16), max_batch_size]
+        self.batch_sizes = sorted({b for b in sizes if b <= max_batch_size})
+        n, hidden, dtype = self.batch_sizes[-1], config.hf_config.hidden_size, config.torch_dtype
+
+        def zeros(*shape, dtype=torch.int32):
+            return torch.zeros(*shape, dtype=dtype, device=device)
         self.input_ids, self.positions = zeros(n, dtype=torch.int64), zeros(n, dtype=torch.int64)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.context_lens, self.block_tables = zeros(n), zeros(n, max_blocks_per_seq)
+        self.context_lens = zeros(n)
+        self.block_tables = zeros(n, cdiv(config.max_model_len, config.block_size))
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
-        pair = lambda: (zeros(n, hidden_size, dtype=dtype), zeros(n, hidden_size, dtype=dtype))  # noqa: E731
-        # the previous stage's (hidden, residual)
-        self.intermediate = None if first_stage else pair()
-        self.outputs = (zeros(n, hidden_size, dtype=dtype),) if last_stage else pair()
+
+        def hidden_states(count: int) -> tuple[torch.Tensor, ...]:
+            return tuple(zeros(n, hidden, dtype=dtype) for _ in range(count))
+        # the previous stage's hidden states and residual; the output (a stage's: both of its own)
+        self.intermediate = None if first_stage else hidden_states(2)
+        self.outputs = hidden_states(1 if last_stage else 2)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         for bs in reversed(self.batch_sizes):
@@ -53,9 +61,10 @@ class CUDAGraphRunner:
             buffer[:bs] = t
 
     def metadata(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q[:bs + 1], context_lens=self.context_lens[:bs],
-                                 slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
-                                 max_seqlen_q=1)
+        return AttentionMetadata(
+            cu_seqlens_q=self.cu_seqlens_q[:bs + 1], context_lens=self.context_lens[:bs],
+            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
+            max_seqlen_q=1)
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return meta.max_seqlen_q == 1 and num_tokens <= self.batch_sizes[-1]

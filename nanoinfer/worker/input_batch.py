@@ -33,8 +33,10 @@ from nanoinfer.core.messages import NewRequestData, SchedulerOutput
 from nanoinfer.utils import cdiv
 from nanoinfer.worker.sampling_inputs import SAMPLING_FIELDS, SamplingInputs
 
-def append_rows(table: np.ndarray, counts: np.ndarray, rows: np.ndarray, values: list[list[int]]) -> None:
-    """Append values[i] to row rows[i] of `table`, after its counts[rows[i]] entries (vectorised)."""
+def append_rows(table: np.ndarray, counts: np.ndarray, rows: np.ndarray,
+                values: list[list[int]]) -> None:
+    """Append values[i] to row rows[i] of `table`, after its counts[rows[i]] entries
+    (vectorised)."""
     lens = np.fromiter(map(len, values), np.int64, len(values))
     if not lens.any():
         return
@@ -55,23 +57,31 @@ def draft_rows(per_row: np.ndarray, logits_indices: np.ndarray, sample_rows: np.
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor            # int64 [tokens]
-    positions: torch.Tensor            # int64 [tokens]
+    """A step as one flat batch. `input_ids` and `positions`: int64 [tokens]. `logits_indices`:
+    int64 [sample rows], the positions whose logits are sampled. `sample_seq_ids`: the requests
+    that sample, in row order. Per sample row, `sample_rows` is the request's row in the
+    persistent batch and `sample_ends` the position of the token it samples.
+
+    The optional mechanisms': with drafts, `draft_token_ids` (int64 [sampling requests, k],
+    padded with -1), `num_drafts` (int64 [sampling requests]) and `rows_per_request` (its drafts
+    and one); for EAGLE, per scheduled request its last position (flat index, `last_rows`) and
+    the known token after it (0 if none, `next_token_ids`), and the sampling requests' block
+    tables with the lookahead's blocks; for prompt logprobs, the requests that want them
+    [(seq_id, position of the first token scored, tokens scored)], the flat positions before
+    those tokens, the tokens, and the most top-N asked."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor       # int64 [sample rows]: the positions whose logits are sampled
-    sample_seq_ids: list[int]          # the requests that sample, in row order
-    sample_rows: np.ndarray            # per sample row: the request's row in the persistent batch
-    sample_ends: np.ndarray            # per sample row: the position of the token it samples
-    draft_token_ids: torch.Tensor | None = None   # int64 [sampling requests, k], padded with -1
-    num_drafts: torch.Tensor | None = None        # int64 [sampling requests]
-    rows_per_request: list[int] | None = None     # its drafts and one, per sampling request
-    # for EAGLE (lookahead > 0): per scheduled request its last position (flat index) and the
-    # known token after it (0 if none), and the sampling requests' block tables with lookahead
+    logits_indices: torch.Tensor
+    sample_seq_ids: list[int]
+    sample_rows: np.ndarray
+    sample_ends: np.ndarray
+    draft_token_ids: torch.Tensor | None = None
+    num_drafts: torch.Tensor | None = None
+    rows_per_request: list[int] | None = None
     last_rows: torch.Tensor | None = None
     next_token_ids: torch.Tensor | None = None
     sample_block_tables: torch.Tensor | None = None
-    # requests that want their prompt's logprobs: [(seq_id, position of the first token scored,
-    # tokens scored)], the flat positions before those tokens, the tokens, the most top-N asked
     prompt_logprobs: tuple[list, torch.Tensor, torch.Tensor, int] | None = None
 
 
@@ -80,8 +90,10 @@ class InputBatch(SamplingInputs):
     def __init__(self, config: Config, device: torch.device):
         self.block_size, self.eos_token_ids = config.block_size, config.eos_token_ids
         self.vocab_size = config.hf_config.vocab_size
-        self.lookahead = config.num_lookahead_tokens   # positions past a step that EAGLE writes
-        self.max_flat_rows = 0   # verification steps of up to this many tokens run as decode rows
+        # Positions past a step that EAGLE writes; the size up to which a step that only verifies
+        # drafts runs as decode rows.
+        self.lookahead = config.num_lookahead_tokens
+        self.max_flat_rows = 0
         self.device = device
         max_num_reqs, max_model_len = config.max_num_seqs, config.max_model_len
         # pages of the token table are touched only as they are used
@@ -95,13 +107,14 @@ class InputBatch(SamplingInputs):
         # the tokens blocked before min_tokens, and the logit biases, per row
         self.stop_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
         self.logit_bias: list[dict[int, float]] = [{} for _ in range(max_num_reqs)]
-        self.rng = np.random.default_rng(config.seed)   # the seeds of unseeded requests' draws
+        # The seeds of unseeded requests' draws.
+        self.rng = np.random.default_rng(config.seed)
         # the structured-output masks (row 0: every token allowed)
         self.grammar_masks: torch.Tensor | None = None
         self.clear()
 
     def clear(self) -> None:
-        self.rows: dict[int, int] = {}   # seq_id -> row
+        self.rows: dict[int, int] = {}   # (seq_id -> row)
         self.free_rows = list(range(len(self.num_tokens) - 1, -1, -1))
         # the last step's samples, on the device, and seq_id -> its row in them
         self.prev_sampled_token_ids: torch.Tensor | None = None
@@ -116,18 +129,20 @@ class InputBatch(SamplingInputs):
             self.add_request(req)
         cached = sched.scheduled_cached_reqs
         if cached.seq_ids:
-            rows = np.fromiter((self.rows[s] for s in cached.seq_ids), np.int64, len(cached.seq_ids))
+            rows = np.array([self.rows[s] for s in cached.seq_ids], np.int64)
             append_rows(self.token_ids, self.num_tokens, rows, cached.new_token_ids)
             append_rows(self.block_table, self.num_blocks, rows, cached.new_block_ids)
             self.num_computed_tokens[rows] = cached.num_computed_tokens
-        for seq_id, drafts in sched.scheduled_spec_decode_tokens.items():   # after the known tokens
+        # Drafts are written after the known tokens, without being counted.
+        for seq_id, drafts in sched.scheduled_spec_decode_tokens.items():
             row = self.rows[seq_id]
             self.token_ids[row, self.num_tokens[row]:self.num_tokens[row] + len(drafts)] = drafts
 
     def add_request(self, req: NewRequestData) -> None:
         row = self.rows[req.seq_id] = self.free_rows.pop()
         self.token_ids[row, :len(req.token_ids)] = req.token_ids
-        self.num_tokens[row], self.num_prompt_tokens[row] = len(req.token_ids), req.num_prompt_tokens
+        self.num_tokens[row] = len(req.token_ids)
+        self.num_prompt_tokens[row] = req.num_prompt_tokens
         self.num_computed_tokens[row] = req.num_computed_tokens
         self.block_table[row, :len(req.block_ids)] = req.block_ids
         self.num_blocks[row] = len(req.block_ids)
@@ -138,7 +153,8 @@ class InputBatch(SamplingInputs):
         numpy: torch.tensor(list) costs about a microsecond per element), pinned, copied without
         blocking, and cut into views."""
         flat = [np.asarray(a, dtype=dtype).reshape(-1) for a in arrays]
-        buffer = torch.from_numpy(np.concatenate(flat))   # a copy: never a view of the batch
+        # A copy: never a view of the batch's arrays, which the next step changes.
+        buffer = torch.from_numpy(np.concatenate(flat))
         if self.device.type != "cpu":
             buffer = buffer.pin_memory().to(self.device, non_blocking=True)
         return [v.view(np.shape(a)) for v, a in zip(buffer.split([f.size for f in flat]), arrays)]
@@ -160,7 +176,8 @@ class InputBatch(SamplingInputs):
         logits_indices, sample_rows, sample_ends = cu_seqlens_q[1:][sample] - 1, rows[sample], \
             end[sample]
         num_drafts = self.num_drafts(sched, seq_ids)
-        if num_drafts is not None:   # a request with k drafts samples at its last k + 1 positions
+        # A request with k drafts samples at its last k + 1 positions.
+        if num_drafts is not None:
             logits_indices, sample_rows, sample_ends = draft_rows(
                 num_drafts[sample] + 1, logits_indices, sample_rows, sample_ends)
         in_flight, prev_index = self.inputs_in_flight(seq_ids, token_rows, positions,
@@ -169,7 +186,8 @@ class InputBatch(SamplingInputs):
         input_ids, positions_t, slots_t, logits_indices_t, in_flight_t, prev_index_t = \
             self.to_device(np.int64, self.token_ids[token_rows, positions], positions, slots,
                            logits_indices, in_flight, prev_index)
-        if len(in_flight):   # an input the previous step is still sampling: from its output
+        # An input that the previous step is still sampling comes from its output, on the device.
+        if len(in_flight):
             input_ids[in_flight_t] = self.prev_sampled_token_ids[prev_index_t]
         meta = self.attention_metadata(num_new, end, rows, positions, token_rows, slots_t,
                                        num_drafts)
@@ -206,7 +224,7 @@ class InputBatch(SamplingInputs):
         """The step's inputs not known here, which the previous step is still sampling (async
         scheduling): their flat indices, and their rows in that step's output."""
         known = self.num_tokens[token_rows]
-        if num_drafts is not None:   # (written after the known tokens)
+        if num_drafts is not None:   # (drafts are written after the known tokens)
             known = known + np.repeat(num_drafts, num_new)
         in_flight = np.flatnonzero(positions >= known)
         owners = np.searchsorted(cu_seqlens_q, in_flight, side="right") - 1
@@ -241,7 +259,8 @@ class InputBatch(SamplingInputs):
                                                              next_ids)
         width = min(cdiv(int(end.max()) + self.lookahead, self.block_size),
                     self.block_table.shape[1])
-        (step.sample_block_tables,) = self.to_device(np.int32, self.block_table[rows[sample], :width])
+        (step.sample_block_tables,) = self.to_device(np.int32,
+                                                     self.block_table[rows[sample], :width])
 
     def prompt_positions(self, seq_ids: list[int], rows: np.ndarray, start: np.ndarray,
                          end: np.ndarray, cu_seqlens_q: np.ndarray) -> tuple | None:
@@ -265,6 +284,7 @@ class InputBatch(SamplingInputs):
         return layout, index, targets, num_top
 
     def record_sampled(self, seq_ids: list[int], sampled_token_ids: torch.Tensor) -> None:
-        """Keep a step's samples on the device: the next step's decodes take their input from them."""
+        """Keep a step's samples on the device: the next step's decodes take their input from
+        them."""
         self.prev_sampled_token_ids = sampled_token_ids[:, -1]
         self.prev_sample_index = {seq_id: row for row, seq_id in enumerate(seq_ids)}

@@ -40,7 +40,8 @@ def allocate_kv_cache(runner) -> torch.Tensor:
     if runner.device.type == "cuda" and config.num_kvcache_blocks is None:
         free_bytes = profile_free_memory(runner) - getattr(runner.kv_connector, "device_bytes", 0)
     shape = (len(layers), config.block_size, layers[0].num_kv_heads, layers[0].head_dim)
-    bytes_per_token = 2 * shape[0] * shape[2] * shape[3] * runner.dtype.itemsize   # this rank's
+    # This rank's keys and values of one token, in all its layers.
+    bytes_per_token = 2 * shape[0] * shape[2] * shape[3] * runner.dtype.itemsize
     num_blocks = check_kv_cache_holds_max_model_len(config, free_bytes, bytes_per_token)
     num_blocks = torch.tensor([num_blocks], device=runner.device)
     for group in (runner.tp_group, runner.pp_group):
@@ -59,7 +60,8 @@ def profile_free_memory(runner) -> float:
     config, device, layer = runner.config, runner.device, runner.attn_layers[0]
     num_tokens, max_len = config.max_num_batched_tokens, config.max_model_len - 1
     lens = [max_len] * (num_tokens // max_len) + [num_tokens % max_len] * bool(num_tokens % max_len)
-    meta = AttentionMetadata(   # every key read from one dummy block, nothing written
+    # Every key is read from one dummy block, and nothing is written.
+    meta = AttentionMetadata(
         cu_seqlens_q=torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32),
         context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
@@ -76,7 +78,8 @@ def profile_free_memory(runner) -> float:
     with set_forward_context(meta):
         hidden_states = runner.model(torch.zeros(num_tokens, dtype=torch.int64, device=device),
                                      positions, runner.intermediate(num_tokens, torch.zeros))
-    spec = config.speculative   # (k + 1 sample rows a sequence when speculating)
+    # A sequence has k + 1 sample rows when speculating.
+    spec = config.speculative
     rows = min(config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),
                num_tokens)
     # (ranks other than the last stage's first have no logits)

@@ -35,12 +35,11 @@ from nanoinfer.core.messages import GrammarOutput, SchedulerOutput
 from nanoinfer.distributed import get_pp_group, get_tp_group
 from nanoinfer.kv_transfer import make_kv_connector
 from nanoinfer.layers.attention import Attention
-from nanoinfer.layers.sampler import Sampler, score_prompt_tokens
+from nanoinfer.layers.sampler import Sampler, SamplerOutput, score_prompt_tokens
 from nanoinfer.models import MODEL_REGISTRY
 from nanoinfer.models.loader import init_dummy_weights, load_model
 from nanoinfer.spec_decode import make_drafter
 from nanoinfer.spec_decode.rejection_sampler import accept_drafts
-from nanoinfer.utils import cdiv
 from nanoinfer.worker.async_output import AsyncModelRunnerOutput, to_host
 from nanoinfer.worker.cuda_graph import CUDAGraphRunner
 from nanoinfer.worker.input_batch import InputBatch, StepInputs
@@ -49,13 +48,17 @@ from nanoinfer.worker.kv_cache import allocate_kv_cache, check_kv_cache_holds_ma
 
 @dataclass
 class ExecutedStep:
-    """A step whose forward is launched, on its way to `sample_tokens`."""
-    step: StepInputs | None = None            # None: nothing computed (KV blocks loaded only)
-    hidden_states: torch.Tensor | None = None   # the last stage's, every position of the step
-    logits: torch.Tensor | None = None        # of the rows that sample (the sampling rank's)
-    kv_loaded: dict[int, int] | None = None   # seq_id -> its KV blocks loaded (kv_transfer/)
-    kv_saves: list[tuple[int, int]] = field(default_factory=list)   # blocks to save after it
-    prompt_logprobs: tuple | None = None      # (layout, rows) of its prompt tokens' logprobs
+    """A step whose forward is launched, on its way to `sample_tokens`: its inputs (None when it
+    computed nothing, only loaded KV blocks), the last stage's hidden states at every position
+    (None on an earlier stage), the logits of the rows that sample (on the rank that samples);
+    and the optional mechanisms': seq_id -> its KV blocks loaded, the blocks to save after it
+    (kv_transfer/), and the (layout, rows) of its prompt tokens' logprobs."""
+    step: StepInputs | None = None
+    hidden_states: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    kv_loaded: dict[int, int] | None = None
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)
+    prompt_logprobs: tuple | None = None
 
 
 class ModelRunner:
@@ -63,11 +66,12 @@ class ModelRunner:
     def __init__(self, config: Config, kv_connector=None):
         self.config, self.dtype, self.block_size = config, config.torch_dtype, config.block_size
         self.device = torch.device(config.device)
-        if self.device.type == "cuda":   # under tensor parallelism, this rank's GPU
+        if self.device.type == "cuda":   # (under tensor parallelism: this rank's GPU)
             self.device = torch.device("cuda", torch.cuda.current_device())
         # this process's groups (a worker's: set up by the executor; else of one rank)
         self.tp_group, self.pp_group = get_tp_group(), get_pp_group()
-        gpu_bytes = None   # at most this much of the GPU can go to the KV cache
+        # Before the weights load: could the KV cache hold max_model_len at all?
+        gpu_bytes = None
         if self.device.type == "cuda":
             gpu_bytes = torch.cuda.mem_get_info(self.device)[1] * config.gpu_memory_utilization
         check_kv_cache_holds_max_model_len(config, gpu_bytes, config.kv_cache_bytes_per_token)
@@ -81,12 +85,11 @@ class ModelRunner:
         self.num_kvcache_blocks = self.kv_cache.shape[2]
         self.graph_runner = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graph_runner = CUDAGraphRunner(
-                self.model, min(config.max_num_seqs, 512), cdiv(config.max_model_len, self.block_size),
-                config.hf_config.hidden_size, self.dtype, self.device, self.pp_group.is_first,
-                self.pp_group.is_last)
+            self.graph_runner = CUDAGraphRunner(self.model, config, self.device,
+                                                self.pp_group.is_first, self.pp_group.is_last)
             self.input_batch.max_flat_rows = self.graph_runner.batch_sizes[-1]
-        if self.kv_connector is not None:   # (a consumer receives from now: not while capturing)
+        # A KV connector's consumer receives from now on (not while graphs are captured).
+        if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_cache)
 
     def load_model(self) -> tuple[torch.nn.Module, object]:
@@ -130,7 +133,7 @@ class ModelRunner:
             return executed
         executed.step = step = self.input_batch.prepare_inputs(sched)
         hidden_states = self.run_model(step)
-        if hidden_states is None:   # a pipeline stage before the last: sent on
+        if hidden_states is None:   # (a pipeline stage before the last: sent on)
             return executed
         executed.hidden_states = hidden_states
         if step.prompt_logprobs is not None:
@@ -144,7 +147,7 @@ class ModelRunner:
         stage after the first receives its input first; one before the last sends its output
         on (and returns None)."""
         intermediate = self.intermediate(len(step.input_ids))
-        for t in intermediate or ():   # the previous stage's output
+        for t in intermediate or ():   # (the previous stage's output)
             self.pp_group.recv_prev(t)
         meta = step.attn_metadata
         if self.graph_runner is not None and self.graph_runner.can_run(meta, len(step.input_ids)):
@@ -155,7 +158,7 @@ class ModelRunner:
                 hidden_states = self.model(step.input_ids, step.positions, intermediate)
         if self.pp_group.is_last:
             return hidden_states
-        for t in hidden_states:   # to the next stage
+        for t in hidden_states:   # (to the next stage)
             self.pp_group.send_next(t)
         return None
 
@@ -172,33 +175,37 @@ class ModelRunner:
         """Process the executed step's logits and sample (still without waiting for the GPU);
         `grammar`: the bitmask of the constrained requests' rows (structured output)."""
         step, hidden_states = executed.step, executed.hidden_states
-        if hidden_states is None:   # no forward here (KV blocks loaded; a stage before the last)
-            output = AsyncModelRunnerOutput([])
-        elif not step.sample_seq_ids:   # prompt chunks: EAGLE's keys and values for them too
-            output = AsyncModelRunnerOutput([])
+        sampled = drafts = None
+        if hidden_states is None:
+            pass   # no forward here: KV blocks loaded only, or a pipeline stage before the last
+        elif not step.sample_seq_ids:
+            # Prompt chunks only: EAGLE's layer writes their keys and values too.
             self.propose_drafts(step, hidden_states, None)
-        elif executed.logits is None:   # a tensor-parallel worker: rank 0 sends it the tokens
-            output = self.receive_tokens(step, hidden_states)
+        elif executed.logits is None:
+            # A tensor-parallel rank that does not sample: rank 0 sends it the tokens.
+            self.receive_tokens(step, hidden_states)
         else:
-            output = self.sample(step, executed.logits, hidden_states, grammar)
-        output.kv_loaded, output.prompt_logprobs = executed.kv_loaded, executed.prompt_logprobs
-        if executed.kv_saves:   # (after EAGLE's layer too; the step's output waits for them)
-            output.kv_saved = self.save_kv(executed.kv_saves)
-        return output
+            sampled, drafts = self.sample(step, executed.logits, hidden_states, grammar)
+        # The step's blocks are saved after EAGLE's layer too, and its output waits for them.
+        kv_saved = self.save_kv(executed.kv_saves) if executed.kv_saves else None
+        return AsyncModelRunnerOutput(
+            step.sample_seq_ids if sampled else [], sampled, step and step.rows_per_request, drafts,
+            executed.kv_loaded, executed.prompt_logprobs, kv_saved)
 
     def sample(self, step: StepInputs, logits: torch.Tensor, hidden_states: torch.Tensor,
-               grammar: GrammarOutput | None) -> AsyncModelRunnerOutput:
+               grammar: GrammarOutput | None) -> tuple[SamplerOutput, torch.Tensor | None]:
+        """The step's sampled tokens (with drafts: the accepted ones and the target's next), and
+        the next step's drafts."""
         sampled = self.sampler(logits, self.input_batch.sampling_metadata(step, grammar))
-        if step.num_drafts is not None:   # keep the accepted drafts and the target's next token
+        if step.num_drafts is not None:
             sampled.sampled_token_ids = accept_drafts(
                 sampled.sampled_token_ids[:, 0], step.draft_token_ids, step.num_drafts)
-        self.tp_group.broadcast(sampled.sampled_token_ids)   # the next step's inputs, every rank
+        # Every rank keeps them: the next step's decodes take their inputs from them.
+        self.tp_group.broadcast(sampled.sampled_token_ids)
         self.input_batch.record_sampled(step.sample_seq_ids, sampled.sampled_token_ids)
-        drafts = self.propose_drafts(step, hidden_states, sampled.sampled_token_ids)
-        return AsyncModelRunnerOutput(step.sample_seq_ids, sampled, step.rows_per_request, drafts)
+        return sampled, self.propose_drafts(step, hidden_states, sampled.sampled_token_ids)
 
-    def receive_tokens(self, step: StepInputs, hidden_states: torch.Tensor
-                       ) -> AsyncModelRunnerOutput:
+    def receive_tokens(self, step: StepInputs, hidden_states: torch.Tensor) -> None:
         """A rank that does not sample takes the tokens rank 0 sampled (the next step's inputs),
         and drafts with them (EAGLE's layers are split over the ranks)."""
         width = 1 + (0 if step.draft_token_ids is None else step.draft_token_ids.shape[1])
@@ -206,7 +213,6 @@ class ModelRunner:
                                 device=self.device)
         self.input_batch.record_sampled(step.sample_seq_ids, self.tp_group.broadcast(token_ids))
         self.propose_drafts(step, hidden_states, token_ids)
-        return AsyncModelRunnerOutput([])
 
     def propose_drafts(self, step: StepInputs, hidden_states: torch.Tensor,
                        token_ids: torch.Tensor | None) -> torch.Tensor | None:

@@ -53,7 +53,8 @@ class SamplingInputs:
         """The sampling metadata of the step's sample rows (`step`: its StepInputs)."""
         rows, ends = step.sample_rows, step.sample_ends
         s = self.sampling[rows]
-        index = ends - self.num_prompt_tokens[rows]   # the output index of the token being sampled
+        # The output index of the token each row samples.
+        index = ends - self.num_prompt_tokens[rows]
         seeds = self.rng.integers(2**63, size=len(rows))
         for k in np.flatnonzero(s["seeded"]):
             seeds[k] = token_seed(int(s["seed"][k]), int(index[k]))
@@ -85,7 +86,8 @@ class SamplingInputs:
         """Write the new masks into the table; each sample row's mask row (0 if unconstrained)."""
         if grammar.new_rows:
             rows_needed = max(grammar.new_rows) + 1
-            if self.grammar_masks is None or len(self.grammar_masks) < rows_needed:   # grow it
+            # The table grows as needed (doubling, up to MAX_MASK_ROWS).
+            if self.grammar_masks is None or len(self.grammar_masks) < rows_needed:
                 size = max(rows_needed, min(2 * rows_needed, MAX_MASK_ROWS + 1))
                 table = torch.full((size, grammar.new_masks.shape[1]), -1, dtype=torch.int32,
                                    device=self.device)
