@@ -55,7 +55,8 @@ class Config:
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device == "cuda" else "torch"
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 4096
-        self.max_model_len = self.max_model_len or model_len
+        if self.max_model_len is None:
+            self.max_model_len = model_len
         self.check_ranges()
         if self.max_model_len > model_len and os.environ.get(ALLOW_LONG) != "1":
             raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's "

@@ -12,7 +12,8 @@ from nanoinfer.spec_decode.metrics import SpecDecodingStats
 
 @dataclass
 class Logprob:
-    # of the raw model's distribution (before penalties, temperature, masks)
+    # Of the model's own distribution: after a grammar's mask (as vLLM's), before the logit
+    # biases, penalties, temperature and top-k/top-p/min-p.
     logprob: float
     rank: int | None = None           # 1 = the most likely token
     decoded_token: str | None = None  # the token's own text

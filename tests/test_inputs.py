@@ -2,6 +2,7 @@
 engine stays usable. Also: the prompt forms generate() accepts, and chat()."""
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -84,6 +85,16 @@ def test_max_model_len_beyond_the_models_context(llama_dir, monkeypatch):
         LLM(llama_dir, max_model_len=1024)
     monkeypatch.setenv("NANOINFER_ALLOW_LONG_MAX_MODEL_LEN", "1")
     assert LLM(llama_dir, max_model_len=1024).llm_engine.config.max_model_len == 1024
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(max_model_len=0), "max_model_len must be an integer >= 1, got 0"),
+    (dict(num_kvcache_blocks=0), "num_kvcache_blocks must be None or an integer >= 1, got 0"),
+    (dict(gpu_memory_utilization=0), "gpu_memory_utilization must be in"),
+])
+def test_engine_settings_out_of_range_name_themselves(llama_dir, settings, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(llama_dir, **settings)
 
 
 def test_impossible_max_model_len_is_rejected_before_the_weights_load(llama_dir, monkeypatch):

@@ -338,3 +338,44 @@ def test_overlapping_repeats_are_refused_not_built_for_ever():
     for pattern in (r"(?:a|aa){0,200}", r"(?:.{0,3}){0,300}"):
         with pytest.raises(ValueError, match="subset construction"):
             compile_regex(pattern)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_grammar_that_fails_to_compile_ends_its_request(llama_dir, monkeypatch, async_scheduling):
+    """Its abort reaches the caller in the step that finds it, also when it is the last request
+    (found in review: the output waited for a step that never came)."""
+    import nanoinfer.structured_output as so
+
+    def fails(self, regex):
+        raise RuntimeError("too many states")
+    monkeypatch.setattr(so.StructuredOutputManager, "token_index", fails)
+    engine = LLM(llama_dir, max_model_len=256, async_scheduling=async_scheduling).llm_engine
+    engine.add_request("r", [5, 6], SamplingParams(max_tokens=4,
+                       guided_decoding=GuidedDecodingParams(regex="ab")))
+    outputs = []
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        outputs += engine.step()
+    assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outputs] == \
+        [("r", True, "abort")]
+
+
+def test_finished_compilations_are_not_kept_beyond_the_cache(llama_dir):
+    """Only MAX_CACHED_GRAMMARS compiled grammars stay alive (found in review: the manager kept
+    every finished compilation's future, and with it its token index)."""
+    import gc
+    import weakref
+
+    from nanoinfer.engine.front_end import load_tokenizer
+    from nanoinfer.config import Config
+    from nanoinfer.structured_output import MAX_CACHED_GRAMMARS, StructuredOutputManager
+    manager = StructuredOutputManager(load_tokenizer(Config(llama_dir)), 512, [2])
+    futures = [manager.compile(f"a{i}b") for i in range(MAX_CACHED_GRAMMARS + 8)]
+    indexes = [weakref.ref(f.result()) for f in futures]
+    manager.compile("c")   # (a compilation after them)
+    del futures
+    manager.evicted.clear()
+    gc.collect()
+    assert sum(ref() is not None for ref in indexes) <= MAX_CACHED_GRAMMARS
+    manager.shutdown()

@@ -4,7 +4,8 @@ A step is one flat batch of tokens from many sequences (prompt chunks and decode
 Sequence i owns query tokens `cu_seqlens_q[i]:cu_seqlens_q[i+1]` of the batch; they are its
 *last* query tokens: its keys are the `context_lens[i]` tokens already in the cache, counting
 this step's. `slot_mapping[t]` is where token t's K and V are written (-1: nowhere);
-`block_tables[i]` lists sequence i's cache blocks, padded with -1.
+`block_tables[i]` lists sequence i's cache blocks; the entries past them are padding that is never
+read (the context length says where a sequence ends).
 
 The model's forward keeps the signature `forward(input_ids, positions)`: the model runner sets
 this object around the forward pass, and each attention layer fetches it.

@@ -75,6 +75,7 @@ class BlockManager:
                                             computed_blocks)
         if num_needed <= 0 and not computed_blocks:
             return []
+        # Cached blocks nobody uses sit in the free queue: taking them costs free blocks too.
         num_revived = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
         if max(num_needed, 0) + num_revived > self.num_free_blocks:
             return None
@@ -110,6 +111,7 @@ class BlockManager:
         else:
             block_id, _ = self.free_block_queue.popitem(last=False)
             block_hash = self.block_hash.pop(block_id, None)
+            # (another block may hold the same content, entered first: that one stays cached)
             if block_hash is not None and self.hash_to_block.get(block_hash) == block_id:
                 # Evicted: its cached content is about to be overwritten.
                 del self.hash_to_block[block_hash]

@@ -132,9 +132,11 @@ class EngineCore:
         return bool(self.scheduler.requests or self.in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule a step and launch it; return the outputs of the steps that are done."""
-        outputs = self.scheduler.take_unstepped_outputs()
+        """Schedule a step and launch it; return the outputs of the steps that are done (the
+        scheduler's `update_from_output` has applied them: StepsInFlight.finish)."""
         sched = self.scheduler.schedule()
+        # Sequences that ended outside any step: scheduling found their grammar failed to compile.
+        outputs = self.scheduler.take_unstepped_outputs()
         self.num_prefill_tokens = sum(n for n in sched.num_scheduled_tokens.values() if n > 1)
         self.num_decode_tokens = sum(1 for n in sched.num_scheduled_tokens.values() if n == 1)
         # Everything runnable is in flight, or nothing is runnable yet.
@@ -147,7 +149,8 @@ class EngineCore:
             outputs += self.in_flight.finish_for_grammar()
             grammar = self.structured_output.grammar_bitmask(self.scheduler.guided_samples(sched))
         self.in_flight.append(self.model_executor.sample_tokens(executed, grammar))
-        # Async scheduling leaves the step just launched in flight and finishes the one before.
+        # Async scheduling leaves the step just launched in flight and finishes the one before
+        # (a step that only loaded KV blocks is finished at once).
         keep = self.in_flight.max_steps if sched.num_scheduled_tokens else 0
         return outputs + self.in_flight.finish(keep)
 

@@ -23,13 +23,15 @@ sampled tokens and applies the token-level stops (EOS, stop_token_ids, max_token
 max_model_len) to each in order; a token sampled for a sequence that stopped (or was aborted)
 meanwhile is dropped.
 
-That is the whole base path. Each optional mechanism enters it through one named call (their
-parts are in scheduler_hooks.py): speculative decoding's drafts (`tokens_to_schedule`; EAGLE's
-also write `lookahead` slots past the step, which every allocation includes), a KV connector's
-blocks (`external_blocks`), grammars (`can_admit`), prompt logprobs (`computed_blocks`). Pipeline
-parallelism (P stages, core/engine_core.py) keeps P steps in flight over disjoint sequences: a
-sequence with a token in flight is passed over (`can_schedule`), and a step takes at most
-max_num_seqs / P of them.
+That is the whole base path. The optional mechanisms enter it through named calls, whose bodies
+are in scheduler_hooks.py (each does nothing without its mechanism): speculative decoding's
+drafts (`tokens_to_schedule`, `schedule_drafts`, `settle_drafts`, `next_drafts`; EAGLE's also
+write `lookahead` slots past the step, which every allocation includes), a KV connector's blocks
+(`external_blocks`, `load_external`, `save_external`, `update_prompts`), grammars (`add_grammar`,
+`can_admit`; `grammar.accept` as tokens come), prompt logprobs (`computed_blocks`,
+`update_prompts`). Pipeline parallelism (P stages, core/engine_core.py) keeps P steps in flight
+over disjoint sequences: a sequence with a token in flight is passed over (`can_schedule`), and a
+step takes at most `max_seqs_per_step` = max_num_seqs / P of them.
 """
 import time
 from collections import deque
@@ -62,10 +64,9 @@ class Scheduler(SchedulerHooks):
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.seq_id] = seq
-        if seq.grammar is not None:
-            seq.status = SequenceStatus.WAITING_FOR_FSM
-            self.guided.add(seq.seq_id)
         self.waiting.append(seq)
+        if seq.grammar is not None:
+            self.add_grammar(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_seq_ids=self.finished_seq_ids)
@@ -96,19 +97,20 @@ class Scheduler(SchedulerHooks):
             cached.new_token_ids.append(seq.token_ids[seq.num_tokens_sent:])
             cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(seq.num_computed_tokens)
-            if drafts:
-                out.scheduled_spec_decode_tokens[seq.seq_id] = drafts
-            seq.num_scheduled_drafts = len(drafts)
+            self.schedule_drafts(seq, drafts, out)
             self.advance(seq, num_new, out)
             budget -= num_new
         return budget
 
     def schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in arrival order while budget, slots and blocks last."""
-        for seq in list(self.waiting):
-            if not self.has_room(out, budget) or len(self.running) >= self.max_num_seqs:
-                return
+        i = 0   # the first waiting sequence not passed over
+        while i < len(self.waiting) and self.has_room(out, budget) \
+                and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
             if not self.can_admit(seq):
+                if not seq.is_finished:   # (one whose grammar failed has left the queue)
+                    i += 1
                 continue
             computed = self.computed_blocks(seq)
             num_cached = len(computed) * self.block_size
@@ -188,6 +190,7 @@ class Scheduler(SchedulerHooks):
         seq.first_scheduled_time = seq.first_scheduled_time or time.time()
         seq.status = SequenceStatus.RUNNING
         seq.num_computed_tokens = num_cached
+        # (first admission; a KV connector's loaded blocks are counted when they come)
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = num_cached
         out.scheduled_new_reqs.append(NewRequestData(
@@ -208,8 +211,7 @@ class Scheduler(SchedulerHooks):
         first_block = (seq.num_computed_tokens - num_new) // self.block_size
         if seq.num_computed_tokens // self.block_size > first_block:
             self.block_manager.cache_full_blocks(seq)
-            if self.kv_connector is not None and self.kv_connector.saves:
-                self.save_external(seq, first_block, out)
+            self.save_external(seq, first_block, out)
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append each sampled sequence's new tokens, applying the token-level stops to each in
@@ -231,7 +233,8 @@ class Scheduler(SchedulerHooks):
                 seq.spec_token_ids = self.next_drafts(seq, runner_output, row)
             outputs.append(EngineCoreOutput(
                 seq_id, new_token_ids, None, seq.num_cached_tokens, seq.finish_reason,
-                seq.stop_reason, num_drafts, len(token_ids) - 1))
+                seq.stop_reason, num_draft_tokens=num_drafts,
+                num_accepted_tokens=len(token_ids) - 1))
             if seq.sampling_params.logprobs is not None:
                 lp = runner_output.logprobs
                 outputs[-1].new_logprobs = [

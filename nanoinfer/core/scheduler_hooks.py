@@ -49,6 +49,12 @@ class SchedulerHooks:
         # A KV connector's scheduler side (kv_transfer/).
         self.kv_connector = kv_connector
 
+    def schedule_drafts(self, seq: Sequence, drafts: list[int], out: SchedulerOutput) -> None:
+        """Send the drafts of `seq` that its step scores (none: a plain step)."""
+        if drafts:
+            out.scheduled_spec_decode_tokens[seq.seq_id] = drafts
+        seq.num_scheduled_drafts = len(drafts)
+
     def drafts_that_fit(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts of `seq` that its step can score: within the budget, and such that the
         accepted drafts and the target's own token stay within max_tokens and max_model_len."""
@@ -72,13 +78,14 @@ class SchedulerHooks:
                       out: SchedulerOutput) -> None:
         """Ask the step to fill the blocks after the cached ones from the connector."""
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
-        # Known once the blocks are loaded.
-        seq.num_cached_tokens = None
         out.kv_loads[seq.seq_id] = list(zip(seq.block_table[num_computed_blocks:], external))
         seq.num_tokens_sent = seq.num_tokens
 
     def save_external(self, seq: Sequence, first_block: int, out: SchedulerOutput) -> None:
-        """List the full prompt blocks from `first_block` on that the step computes, to save."""
+        """A producer's: list the full prompt blocks from `first_block` on that the step
+        computes, to save."""
+        if self.kv_connector is None or not self.kv_connector.saves:
+            return
         end = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.block_size
         out.kv_saves += [(seq.block_table[i], seq.block_hashes[i]) for i in range(first_block, end)]
 
@@ -112,6 +119,11 @@ class SchedulerHooks:
         if self.ngram is not None:
             return self.ngram.propose(seq.seq_id, seq.token_ids)
         return [] if runner_output.spec_token_ids is None else runner_output.spec_token_ids[row]
+
+    def add_grammar(self, seq: Sequence) -> None:
+        """A guided sequence waits until its grammar is compiled."""
+        seq.status = SequenceStatus.WAITING_FOR_FSM
+        self.guided.add(seq.seq_id)
 
     def has_guided(self, sched: SchedulerOutput) -> bool:
         """Does the step hold a sequence with a grammar?"""

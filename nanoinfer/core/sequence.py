@@ -24,10 +24,10 @@ optional mechanisms core/scheduler_hooks.py); nothing else does:
                              update_prompts (+ blocks a KV connector loaded)
     num_output_placeholders  advance (+1 when the step samples), update_from_output (-1)
     num_tokens_sent          advance, load_external (the runner has every known token)
-    num_cached_tokens        admit, load_external, update_prompts
+    num_cached_tokens        admit, update_prompts
     spec_token_ids           update_from_output (the next step's drafts), drafts_that_fit and
                              allocate_or_preempt (taken, or dropped)
-    num_scheduled_drafts     schedule_running, settle_drafts
+    num_scheduled_drafts     schedule_drafts, settle_drafts
 """
 from enum import Enum, auto
 

@@ -50,6 +50,7 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         self.output_text += delta
+        # Stop strings do not count until min_tokens tokens are out.
         if not self.params.stop or self.num_output_tokens <= self.params.min_tokens:
             return None
         # Only where the new text could have completed a stop string.

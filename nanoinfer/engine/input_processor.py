@@ -52,7 +52,8 @@ class InputProcessor:
                                        grammar)
 
     def grammar(self, params: SamplingParams) -> str:
-        """The guided request's regex, its DFA built (structured_output/)."""
+        """The guided request's constraint as a regex, checked by building its DFA once (cached
+        for the core, structured_output/): the request's `grammar`."""
         if self.tokenizer is None:
             raise ValueError(f"guided decoding needs a tokenizer; {NO_TOKENIZER}")
         try:

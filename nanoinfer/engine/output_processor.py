@@ -15,9 +15,8 @@ import time
 
 from transformers import PreTrainedTokenizerBase
 
-from nanoinfer.core.messages import EngineCoreRequest
+from nanoinfer.core.messages import EngineCoreOutput, EngineCoreRequest
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
-from nanoinfer.core.messages import EngineCoreOutput
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -41,20 +40,10 @@ class CompletionState:
     def update(self, out: EngineCoreOutput) -> str | None:
         """Take one step's tokens; returns a stop string that now ends the sample, if any."""
         if len(out.new_token_ids) > 1 and self.params.stop and self.detokenizer is not None:
-            # a speculative run: stop strings end it after the token that completes them, as if
-            # the tokens had come one step each
-            for i, token_id in enumerate(out.new_token_ids):
-                last = i == len(out.new_token_ids) - 1
-                stop_string = self.update(dataclasses.replace(
-                    out, new_token_ids=[token_id],
-                    new_logprobs=out.new_logprobs and out.new_logprobs[i:i + 1],
-                    finish_reason=out.finish_reason if last else None,
-                    stop_reason=out.stop_reason if last else None))
-                if stop_string is not None:
-                    return stop_string
-            return None
+            return self.update_one_by_one(out)
         self.token_ids += out.new_token_ids
         self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        # A row is (token ids, logprobs, rank), the sampled token's first.
         for row in out.new_logprobs or ():
             self.cumulative_logprob += row[1][0]
             self.logprobs.append(logprob_entry(row, self.params.logprobs, self.tokenizer))
@@ -68,6 +57,21 @@ class CompletionState:
         if stop_string is not None:
             self.finish_reason, self.stop_reason = "stop", stop_string
         return stop_string
+
+    def update_one_by_one(self, out: EngineCoreOutput) -> str | None:
+        """Several tokens of one step (speculative decoding), taken as if each had come in a
+        step of its own: a stop string ends the sample right after the token that completes
+        it."""
+        for i, token_id in enumerate(out.new_token_ids):
+            last = i == len(out.new_token_ids) - 1
+            stop_string = self.update(dataclasses.replace(
+                out, new_token_ids=[token_id],
+                new_logprobs=out.new_logprobs and out.new_logprobs[i:i + 1],
+                finish_reason=out.finish_reason if last else None,
+                stop_reason=out.stop_reason if last else None))
+            if stop_string is not None:
+                return stop_string
+        return None
 
     def completion(self, delta: bool) -> CompletionOutput:
         finished = self.finish_reason is not None

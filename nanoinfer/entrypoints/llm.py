@@ -67,7 +67,9 @@ class LLM:
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(request_ids[-1], prompt, params)
             return self.run_engine(request_ids, use_tqdm)
-        finally:   # on an exception, no request of this call stays queued
+        # Nothing of this call stays queued: after an exception its requests are aborted (once
+        # they have all finished, none is live, and this does nothing).
+        finally:
             engine.abort_request(request_ids)
 
     def next_request_id(self) -> str:

@@ -208,7 +208,7 @@ def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue
             if method == "execute_model":
                 executed = runner.execute_model(*args)
             elif method == "sample_tokens":
-                output = runner.sample_tokens(executed, *args)
+                output, executed = runner.sample_tokens(executed, *args), None
                 if driver:
                     outputs.put(output)
             else:

@@ -62,7 +62,9 @@ class SamplingMetadata:
 
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor                # int64 [rows, 1]: a row's tokens, in order
+    # int64 [rows, 1]: each row's token; with drafts, after `accept_drafts`, [requests, k + 1]:
+    # a request's emitted tokens in order, padded with -1
+    sampled_token_ids: torch.Tensor
     # int64 [rows, 1 + N]: the sampled token, then the top N
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None           # float32 [rows, 1 + N]

@@ -100,6 +100,8 @@ class StructuredOutputManager:
             done = Future()
             done.set_result(index)
             return done
+        # (the compilations still going, and this one: a finished one's index may be evicted)
+        self.compiling = {f for f in self.compiling if not f.done()}
         future = self.executor.submit(self.token_index, regex)
         self.compiling.add(future)
         return future

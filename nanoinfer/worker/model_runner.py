@@ -74,6 +74,7 @@ class ModelRunner:
         gpu_bytes = None
         if self.device.type == "cuda":
             gpu_bytes = torch.cuda.mem_get_info(self.device)[1] * config.gpu_memory_utilization
+        # (the block count comes later: after the weights, from what a profiling step leaves)
         check_kv_cache_holds_max_model_len(config, gpu_bytes, config.kv_cache_bytes_per_token)
         self.model, self.drafter = self.load_model()
         self.sampler = Sampler()
@@ -180,7 +181,8 @@ class ModelRunner:
             pass   # no forward here: KV blocks loaded only, or a pipeline stage before the last
         elif not step.sample_seq_ids:
             # Prompt chunks only: EAGLE's layer writes their keys and values too.
-            self.propose_drafts(step, hidden_states, None)
+            if self.config.num_lookahead_tokens:
+                self.propose_drafts(step, hidden_states, None)
         elif executed.logits is None:
             # A tensor-parallel rank that does not sample: rank 0 sends it the tokens.
             self.receive_tokens(step, hidden_states)
@@ -189,14 +191,16 @@ class ModelRunner:
         # The step's blocks are saved after EAGLE's layer too, and its output waits for them.
         kv_saved = self.save_kv(executed.kv_saves) if executed.kv_saves else None
         return AsyncModelRunnerOutput(
-            step.sample_seq_ids if sampled else [], sampled, step and step.rows_per_request, drafts,
-            executed.kv_loaded, executed.prompt_logprobs, kv_saved)
+            step.sample_seq_ids if sampled else [], sampled, step and step.rows_per_request,
+            drafts=drafts, kv_loaded=executed.kv_loaded,
+            prompt_logprobs=executed.prompt_logprobs, kv_saved=kv_saved)
 
     def sample(self, step: StepInputs, logits: torch.Tensor, hidden_states: torch.Tensor,
                grammar: GrammarOutput | None) -> tuple[SamplerOutput, torch.Tensor | None]:
         """The step's sampled tokens (with drafts: the accepted ones and the target's next), and
         the next step's drafts."""
         sampled = self.sampler(logits, self.input_batch.sampling_metadata(step, grammar))
+        # With drafts, every sample row drew one token: keep the accepted drafts and the next.
         if step.num_drafts is not None:
             sampled.sampled_token_ids = accept_drafts(
                 sampled.sampled_token_ids[:, 0], step.draft_token_ids, step.num_drafts)

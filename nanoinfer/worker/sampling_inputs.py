@@ -105,7 +105,7 @@ class SamplingInputs:
         return self.to_device(np.int32, rows)[0]
 
     def penalties(self, step, s: np.ndarray) -> Penalties | None:
-        """Each penalised row's tokens so far. The last one may still be in flight on the host,
+        """Each penalised row's tokens so far. The last one may not be known on the host yet,
         so it is taken from this step's input on the device (it is the row's last input token)."""
         penalised = (s["presence"] != 0) | (s["frequency"] != 0) | (s["repetition"] != 1)
         which = np.flatnonzero(penalised)
