@@ -31,7 +31,9 @@ class Upstream:
             self.all_in = self.all_in or asyncio.Event()
             if len(self.seen) % self.release == 0:
                 self.all_in.set()
-            await asyncio.wait_for(self.all_in.wait(), 20)
+            # (long enough for 256 streams to arrive on a slow, busy machine; below the proxy's and
+            # the client's 60 s, so that a capped pool still fails the test)
+            await asyncio.wait_for(self.all_in.wait(), 50)
             if self.hang:
                 await asyncio.sleep(3600)
             if self.seen[-1].get("stream"):
