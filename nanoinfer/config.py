@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from nanoinfer.utils import is_int
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ALLOW_LONG = "NANOINFER_ALLOW_LONG_MAX_MODEL_LEN"
 
@@ -233,11 +235,6 @@ def require(ok: bool, message: str) -> None:
     """A ValueError saying `message`, unless `ok`."""
     if not ok:
         raise ValueError(message)
-
-
-def is_int(value, minimum: int) -> bool:
-    """Is `value` an integer (not a bool) of at least `minimum`?"""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def check_int(name: str, value, minimum: int) -> None:

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from nanoinfer.utils import is_int
+
 
 class RequestOutputKind(IntEnum):
     CUMULATIVE = 0   # each output of a request holds everything generated so far
@@ -95,10 +97,10 @@ class SamplingParams:
     def checks(self) -> list[tuple[str, bool, str]]:
         """(field, is it valid, what it must be) for every field."""
         return [
-            ("n", _integer(self.n, 1), "must be an integer >= 1"),
+            ("n", is_int(self.n, 1), "must be an integer >= 1"),
             ("temperature", _real(self.temperature, 0), "must be a finite number >= 0"),
             ("top_p", _real(self.top_p, 0, 1) and self.top_p > 0, "must be a number in (0, 1]"),
-            ("top_k", _integer(self.top_k, 0), "must be an integer >= 0, or -1 (all)"),
+            ("top_k", is_int(self.top_k, 0), "must be an integer >= 0, or -1 (all)"),
             ("min_p", _real(self.min_p, 0, 1), "must be a number in [0, 1]"),
             ("presence_penalty", _real(self.presence_penalty, -2, 2),
              "must be a number in [-2, 2]"),
@@ -106,24 +108,24 @@ class SamplingParams:
              "must be a number in [-2, 2]"),
             ("repetition_penalty", _real(self.repetition_penalty) and self.repetition_penalty > 0,
              "must be a finite number > 0"),
-            ("seed", self.seed is None or _integer(self.seed, -2**63, 2**63 - 1),
+            ("seed", self.seed is None or is_int(self.seed, -2**63, 2**63 - 1),
              "must be None or a 64-bit integer"),
-            ("max_tokens", self.max_tokens is None or _integer(self.max_tokens, 1),
+            ("max_tokens", self.max_tokens is None or is_int(self.max_tokens, 1),
              "must be None or an integer >= 1"),
-            ("min_tokens", _integer(self.min_tokens, 0, self.max_tokens or math.inf),
+            ("min_tokens", is_int(self.min_tokens, 0, self.max_tokens or math.inf),
              f"must be an integer in [0, max_tokens={self.max_tokens}]"),
             ("stop", isinstance(self.stop, list)
              and all(isinstance(s, str) and s for s in self.stop),
              "must be a string or a list of non-empty strings"),
             ("stop_token_ids", isinstance(self.stop_token_ids, list)
-             and all(_integer(t, 0) for t in self.stop_token_ids),
+             and all(is_int(t, 0) for t in self.stop_token_ids),
              "must be a list of integers >= 0"),
-            ("logprobs", self.logprobs is None or _integer(self.logprobs, 0),
+            ("logprobs", self.logprobs is None or is_int(self.logprobs, 0),
              "must be None or an integer >= 0"),
-            ("prompt_logprobs", self.prompt_logprobs is None or _integer(self.prompt_logprobs, 0),
+            ("prompt_logprobs", self.prompt_logprobs is None or is_int(self.prompt_logprobs, 0),
              "must be None or an integer >= 0"),
             ("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
-                _integer(t, 0) and _real(b) for t, b in self.logit_bias.items())),
+                is_int(t, 0) and _real(b) for t, b in self.logit_bias.items())),
              "must be None or a dict of token ids >= 0 to finite numbers"),
             ("output_kind", self.output_kind in list(RequestOutputKind),
              "must be a RequestOutputKind"),
@@ -137,11 +139,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperatures below 1e-5 sample greedily, as in vLLM (logits / T would overflow)."""
         return self.temperature < 1e-5
-
-
-def _integer(value, low: float = -math.inf, high: float = math.inf) -> bool:
-    """Is `value` an integer (not a bool) in [low, high]?"""
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def _real(value, low: float = -math.inf, high: float = math.inf) -> bool:
