@@ -83,7 +83,7 @@ def test_freed_blocks_stay_cached_until_reused_oldest_first():
     a, b = seq_of(range(8)), seq_of(range(100, 108))
     admit(bm, a)
     admit(bm, b)
-    a_blocks = a.block_table
+    a_blocks = list(a.block_table)
     bm.free(a)
     bm.free(b)
     assert bm.num_free_blocks == 4 and len(bm.hash_to_block) == 4

@@ -55,6 +55,10 @@ def test_ngram_lookup():
     assert proposer.propose(0, token_ids) == []
     token_ids += [4, 5]   # tokens appended later are seen
     assert proposer.propose(0, token_ids) == [6, 4]
+    # Sequences shorter than max_n: no match to grow, and no index past their start.
+    assert propose([5], max_n=5) == [] and propose([5, 5], max_n=5) == [5]
+    assert propose([5, 6, 7], max_n=5) == []
+
 
 
 @pytest.mark.parametrize("flat", [False, True])

@@ -20,8 +20,12 @@ class TorchAttentionBackend:
     @staticmethod
     def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """key/value: [tokens, kv_heads, head_dim]; caches: [blocks, block_size, kv_heads,
-        head_dim]."""
+        """Write token t's key and value into slot `slot_mapping[t]` of the caches, in place.
+
+        key/value: [tokens, kv_heads, head_dim], possibly strided views (slices of the packed
+        q/k/v projection); caches: [blocks, block_size, kv_heads, head_dim]. Slot s is row
+        s % block_size of block s // block_size; slot -1 means "nowhere" (the token is
+        skipped). No other slot of the caches changes."""
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
         k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep]
@@ -30,7 +34,13 @@ class TorchAttentionBackend:
     @staticmethod
     def forward(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query: [tokens, heads, head_dim] -> output of the same shape."""
+        """query: [tokens, heads, head_dim] -> output of the same shape and dtype.
+
+        Sequence i's queries are rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]`, its last q tokens of
+        k = `context_lens[i]`; its keys and values are positions 0 .. k-1, position p in block
+        `block_tables[i, p // block_size]` at row p % block_size (block_size: the caches'
+        second dimension). Query j sees keys 0 .. k - q + j; the scores are scaled by `scale`;
+        query head h reads kv head h // (heads // kv_heads). The caches are only read."""
         out = torch.empty_like(query)
         block_size = k_cache.shape[1]
         cu_q, lens_k = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()

@@ -105,6 +105,10 @@ class BlockManager:
         return cdiv(num_slots, self.block_size) - len(seq.block_table) - len(computed_blocks)
 
     def _pop_free_block(self) -> int:
+        """Take the next free block, with ref_count 1: a never-used one while any is left, else
+        the one at the front of the free queue (freed longest ago), whose cached content, if any,
+        is evicted: it leaves `block_hash`, and `hash_to_block` if the index names this block
+        (for a duplicate, the index names the first block with that content)."""
         if self.next_unused < self.num_blocks:
             block_id = self.next_unused
             self.next_unused += 1
@@ -119,7 +123,9 @@ class BlockManager:
         return block_id
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Enter the blocks of `seq` that became full of computed, known tokens in the cache."""
+        """Enter the blocks of `seq` that became full of computed, known tokens in the cache:
+        each in `block_hash`, and in `hash_to_block` unless the index has its hash already (a
+        duplicate: the first block with that content stays the index's)."""
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
@@ -140,6 +146,9 @@ class BlockManager:
         return True
 
     def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s hold on its blocks, last block first, and give it a new, empty table. A
+        block no one holds any more goes to the back of the free queue, keeping its hash: it can
+        still be hit until it is reused."""
         for block_id in reversed(seq.block_table):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:

@@ -69,6 +69,11 @@ class Scheduler(SchedulerHooks):
             self.add_grammar(seq)
 
     def schedule(self) -> SchedulerOutput:
+        """Plan one step: the running sequences first (`schedule_running`, with a budget of
+        max_num_batched_tokens), then, unless that preempted a sequence, the waiting ones
+        (`schedule_waiting`, with the budget left). The step carries the ids of the sequences
+        finished since the last step was sent, once. A step with nothing to run is not sent: its
+        finished and preempted ids are kept for the next step to carry."""
         out = SchedulerOutput(finished_seq_ids=self.finished_seq_ids)
         self.finished_seq_ids = set()
         budget = self.schedule_running(out, self.max_num_batched_tokens)
@@ -80,7 +85,10 @@ class Scheduler(SchedulerHooks):
         return out
 
     def schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Schedule the running sequences, oldest first; returns the budget left."""
+        """Schedule the running sequences, oldest first, while the step has room; returns the
+        budget left. Each gets `tokens_to_schedule` and blocks for them (`allocate_or_preempt`,
+        which may preempt the newest, `seq` too: then the loop ends), and is sent as what
+        changed: tokens known since last sent, new blocks, where its step starts."""
         i = 0
         while i < len(self.running) and self.has_room(out, budget):
             seq = self.running[i]
@@ -103,7 +111,10 @@ class Scheduler(SchedulerHooks):
         return budget
 
     def schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting sequences in arrival order while budget, slots and blocks last."""
+        """Admit waiting sequences in arrival order while the step has room and fewer than
+        max_num_seqs run; stop at the first whose blocks do not fit. Each starts from its cached
+        prefix and computes what the budget takes of the rest (or, if a KV connector has its
+        next blocks, has them loaded and computes nothing in this step)."""
         i = 0   # the first waiting sequence not passed over
         while i < len(self.waiting) and self.has_room(out, budget) \
                 and len(self.running) < self.max_num_seqs:
@@ -159,8 +170,11 @@ class Scheduler(SchedulerHooks):
 
     def allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput
                             ) -> list[int] | None:
-        """Blocks for `num_new` more tokens of running `seq`, preempting the newest running
-        sequences until they fit; None if `seq` itself had to be preempted."""
+        """Blocks for `num_new` more tokens of running `seq` (and `self.lookahead` slots past
+        them): the block ids appended to its table. Until they fit, the newest running sequence
+        is preempted: its blocks are freed, its drafts dropped, it is WAITING again with nothing
+        computed, at the front of the waiting queue, and counted (`num_preemptions`,
+        `out.preempted_seq_ids`). None if `seq` itself had to be preempted."""
         while (new_blocks := self.block_manager.allocate_slots(
                 seq, num_new, num_lookahead_tokens=self.lookahead)) is None:
             victim = self.running.pop()
@@ -199,8 +213,9 @@ class Scheduler(SchedulerHooks):
             block_ids=list(seq.block_table), num_computed_tokens=num_cached))
 
     def advance(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
-        """Count `seq`'s scheduled tokens as computed; enter the blocks they fill in the prefix
-        cache."""
+        """Count `seq`'s `num_new` scheduled tokens (drafts among them) as computed, in the step
+        and in `seq`. A step that reaches its last token samples it: one more output
+        placeholder. Blocks they fill enter the prefix cache at once (and a producer's saves)."""
         out.num_scheduled_tokens[seq.seq_id] = num_new
         seq.num_tokens_sent = seq.num_tokens
         seq.num_computed_tokens += num_new

@@ -120,6 +120,9 @@ class Sequence:
             self.hash_full_blocks()
 
     def hash_full_blocks(self) -> None:
+        """Append to `block_hashes` the hash of each block of `token_ids` that is full and has
+        none yet: `hash_block` of the previous block's hash (None for the first block) and the
+        block's token ids."""
         bs = self.block_size
         for i in range(len(self.block_hashes), len(self.token_ids) // bs):
             parent = self.block_hashes[-1] if self.block_hashes else None

@@ -35,7 +35,20 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int], finished: bool) -> str | None:
         """Add the text of the new tokens to `output_text`; return the stop string if one now
         appears (the text is then cut at it). A finished request's last, incomplete character is
-        flushed rather than held back."""
+        flushed rather than held back.
+
+        `new_token_ids`: a step's output tokens (maybe none); `finished`: the request ends with
+        them. `output_text` is always a prefix of the decoded output tokens: it never ends in a
+        character still incomplete (U+FFFD) before the request finishes, it holds all the text
+        once the tokens so far decode to whole characters, and once finished it is
+        tokenizer.decode of all of them (`_decode`: special tokens skipped as the params say;
+        ids the tokenizer does not know add nothing). Each update decodes only a short window of
+        recent tokens (`token_ids` from `prefix_offset` on, with a few prompt tokens as context);
+        skipped special tokens that add no text leave it, so that a run of them keeps it short.
+        Stop strings count once more than `params.min_tokens` output tokens are out, and only
+        where this update's new text completes them (an occurrence that ended in earlier text is
+        not found later); the first of `params.stop` found is returned, and the text is cut just
+        before it (just after it with `include_stop_str_in_output`)."""
         self.token_ids += new_token_ids
         self.num_output_tokens += len(new_token_ids)
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
@@ -65,7 +78,12 @@ class IncrementalDetokenizer:
 
     def visible_text(self, finished: bool) -> str:
         """The text that may be returned now: while a stop string could still be completing at
-        its end, its possible beginning (up to the longest stop string but one) is held back."""
+        its end, its possible beginning (up to the longest stop string but one) is held back.
+
+        A prefix of `output_text` that never shrinks from call to call. Before the request
+        finishes it leaves out every end of the text that begins a stop string, and at most the
+        longest stop string's length minus one characters; with `include_stop_str_in_output`
+        (the stop string is shown anyway), and once finished, it is all of `output_text`."""
         keep_all = finished or self.params.include_stop_str_in_output
         hold = 0 if keep_all else max(self.max_stop_len - 1, 0)
         return self.output_text[:max(len(self.output_text) - hold, 0)]

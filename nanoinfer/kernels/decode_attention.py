@@ -45,6 +45,15 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
                             min_split_pages, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                             HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (seq, kv_head, split) attends the GROUP query heads kv_head * GROUP + g of one
+    sequence's query (at q_ptr + seq * q_stride + head * HEAD_DIM) over the keys [start, end)
+    that `split_range` gives this split, in pages of PAGE slots found through the block table
+    (int32, row stride bt_stride); key position p is at slot block_tables[seq, p // PAGE] * PAGE
+    + p % PAGE, and a slot's kv head at slot * NUM_KV_HEADS * HEAD_DIM + kv_head * HEAD_DIM.
+    With scores s = scale_log2 * q.k (base 2), it writes, for row r = (seq * NUM_KV_HEADS * GROUP
+    + head) * num_splits + split of the float32 buffers, the split's partial output
+    sum(2^s * v) / sum(2^s) at partial_ptr + r * HEAD_DIM, and lse_ptr[r] = log2(sum(2^s)).
+    A split past the context's end (start >= end) need not write anything."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     start, end, _ = split_range(context_len, split, num_splits, min_split_pages, PAGE)
@@ -87,6 +96,11 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, c
 def decode_reduce_kernel(partial_ptr, lse_ptr, out_ptr, context_lens_ptr, out_stride, num_splits,
                          min_split_pages, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (seq, head) combines the head's partial outputs of the splits the sequence uses
+    (the first `used`, from `split_range`; the other rows were never written): weights
+    2^(lse_s - max lse), out = sum(weight_s * partial_s) / sum(weight_s), stored in the output's
+    dtype at out_ptr + seq * out_stride + head * HEAD_DIM. A sequence of context length 0 (a
+    padding row) uses no split and gets zeros."""
     seq, head = tl.program_id(0), tl.program_id(1)
     _, _, used = split_range(tl.load(context_lens_ptr + seq), 0, num_splits, min_split_pages, PAGE)
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)

@@ -12,6 +12,10 @@ import triton.language as tl
 @triton.jit
 def store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, key_stride,
                     value_stride, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """Program `token` (grid: one per token) copies the token's key row, the ROW = kv_heads *
+    head_dim values at key_ptr + token * key_stride, to k_cache_ptr + slot * ROW, where slot =
+    slot_mapping[token] (int64); the value row likewise (value_stride, v_cache_ptr). Slot -1:
+    nothing is written. BLOCK is ROW rounded up to a power of two (mask the rest)."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:

@@ -75,7 +75,13 @@ class SharedStorageConnector:
     # the scheduler's side
 
     def num_matched_blocks(self, block_hashes: list[int]) -> int:
-        """How many of these blocks, in order, are stored (by every rank)."""
+        """How many of these blocks, in order, are stored (by every rank).
+
+        A block is stored when the file of each rank (`file(block_hash, rank)`, rank 0 to
+        world_size - 1) opens with safetensors' `safe_open` (one cut short fails its size check);
+        the count stops at the first block that is not. A connector that does not load (a
+        producer) matches nothing: 0. The scheduler's side: it calls this when it admits a
+        request, with the hashes of the prompt blocks after those in its own prefix cache."""
         if not self.loads:
             return 0
         for n, block_hash in enumerate(block_hashes):
@@ -94,7 +100,13 @@ class SharedStorageConnector:
 
     def load_kv(self, blocks: list[tuple[int, int]], kv_cache: torch.Tensor) -> int:
         """Fill these (block id, hash) blocks of this rank's cache; how many, in order, were
-        good."""
+        good.
+
+        `kv_cache` is [2, layers, num_blocks, block_size, kv_heads, head_dim]; block `block_id`
+        is `kv_cache[:, :, block_id]`. Each block in turn: its file (this rank's) is `read`, and
+        is good if it gives a tensor of that block's shape and dtype, which is copied in (and
+        counted in `num_loaded_blocks`). The first bad block is counted in `num_bad_blocks` and
+        ends the loading: it and the blocks after it are left as they are, to be computed."""
         for n, (block_id, block_hash) in enumerate(blocks):
             kv = self.read(self.file(block_hash, self.rank), f"{block_hash:032x}")
             expected = kv_cache[:, :, block_id].shape, kv_cache.dtype
@@ -106,7 +118,12 @@ class SharedStorageConnector:
         return len(blocks)
 
     def read(self, path: str, block_hash: str) -> torch.Tensor | None:
-        """The block in this file, if it is whole and is what its metadata says it is."""
+        """The block in this file, if it is whole and is what its metadata says it is.
+
+        `block_hash` is the hash as 32 hex digits (`f"{hash:032x}"`). The file holds one tensor,
+        "kv", and in its metadata "block_hash", "layout" (`self.layout`) and "checksum"
+        (`checksum(kv)`). The tensor if all three are right; None if they are not, or if the file
+        is missing or does not open or read whole (never an exception)."""
         try:
             with safe_open(path, "pt") as f:
                 meta, kv = f.metadata() or {}, f.get_tensor("kv")
@@ -137,7 +154,14 @@ class SharedStorageConnector:
                 self.failed(error)
 
     def write_block(self, block_hash: int, block: torch.Tensor) -> Exception | object | None:
-        """Write one block's file (None), unless it is there whole (STORED); or the error."""
+        """Write one block's file (None), unless it is there whole (STORED); or the error.
+
+        The file is `file(block_hash, self.rank)`, in `read`'s format, written with `save_file`
+        under a temporary name in the same folder (unique to the host, the process and the
+        write) and then renamed (`os.replace`), so that no reader sees half a file. A block whose
+        file `read` gives with equal bytes is STORED, not written again; a bad one is replaced.
+        A failure (an OSError, safetensors' own errors) removes the temporary file and is
+        returned, never raised: the writer thread counts it."""
         path, name = self.file(block_hash, self.rank), f"{block_hash:032x}"
         stored = self.read(path, name)
         if stored is not None and torch.equal(stored, block):

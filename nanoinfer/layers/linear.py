@@ -72,6 +72,11 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, get_tp_size(), "output size"), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight) -> None:
+        """Copy this rank's slice of a checkpoint tensor into `param`: of the weight [output_size,
+        input_size] the output rows [r * output_size / T, (r + 1) * output_size / T) of rank r
+        (T ranks; `param` is [output_size / T, input_size]), of the bias [output_size] the same
+        entries. `loaded_weight` is a tensor or a lazy safetensors slice: `copy_shard` reads only
+        the part it copies."""
         size = param.shape[0]
         copy_shard(param.data, loaded_weight, 0, self.tp_rank * size, size * self.tp_size)
 
@@ -85,6 +90,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         set_shard_ids(self, tuple(range(len(output_sizes))))
 
     def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id: int) -> None:
+        """Copy this rank's slice of shard `shard_id` (a checkpoint tensor of
+        `output_sizes[shard_id]` rows, e.g. up_proj's weight or bias) into its rows of `param`.
+        A rank's rows are its slices of the shards one after another, shard 0's first: shard i
+        takes output_sizes[i] / T rows, rank r's part of it (as in ColumnParallelLinear), after
+        the rows of the shards before it. Called once per shard, for the weight and the bias."""
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         copy_shard(param.data.narrow(0, offset, size), loaded_weight, 0, self.tp_rank * size,
@@ -110,6 +120,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         set_shard_ids(self, ("q", "k", "v"))
 
     def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id: str) -> None:
+        """Copy this rank's heads of the checkpoint's q, k or v projection (`shard_id` "q", "k" or
+        "v": a weight [heads * head_dim, hidden_size] or a bias [heads * head_dim]) into their
+        rows of `param`, which holds this rank's query heads (num_heads * head_dim rows), then its
+        KV heads of k, then the same heads of v (num_kv_heads * head_dim rows each). Rank r holds
+        query heads [r * num_heads, (r + 1) * num_heads), and KV heads [r * num_kv_heads,
+        (r + 1) * num_kv_heads) or, with fewer KV heads than ranks, KV head r // kv_replicas
+        (num_heads and num_kv_heads count one rank's heads, as __init__ sets them)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
             dst, start, full = param.data[:q_size], self.tp_rank * q_size, q_size * self.tp_size
@@ -127,11 +144,19 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(input_size, get_tp_size(), "input size"), output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight) -> None:
+        """Copy this rank's slice of a checkpoint tensor into `param`: of the weight [output_size,
+        input_size] the input columns [r * input_size / T, (r + 1) * input_size / T) of rank r
+        (`param` is [output_size, input_size / T]); the bias [output_size] is not split, every
+        rank holds all of it."""
         if param.dim() == 1:   # the bias is not split; only rank 0 adds it
             return copy_shard(param.data, loaded_weight)
         size = param.shape[1]
         copy_shard(param.data, loaded_weight, 1, self.tp_rank * size, size * self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, input_size / T], this rank's input features (the column-parallel
+        layer before it leaves them split). Returns [num_tokens, output_size], the same on every
+        rank: the sum over the ranks of their partial products x @ weight.T, all-reduced over
+        `self.tp_group`, plus the bias, added once."""
         bias = self.bias if self.tp_rank == 0 else None
         return self.tp_group.all_reduce(F.linear(x, self.weight, bias))

@@ -72,7 +72,14 @@ class SamplerOutput:
 
 
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
-    """Repetition, frequency and presence penalties, in place, on the rows that have them."""
+    """Repetition, frequency and presence penalties, in place, on the rows that have them.
+
+    `logits` [rows, vocab]; row `pen.rows[j]` of it takes the penalties of `pen`'s row j, from
+    its tokens `pen.token_ids[j]` (padding = vocab, which counts nothing, whatever its
+    `is_output` flag). First repetition, on each distinct token of the prompt or the output: a
+    positive logit is divided by `repetition[j]`, a negative one multiplied. Then, for each
+    token of the output, `frequency[j]` times its count in the output and `presence[j]` once are
+    subtracted. Rows not in `pen.rows` and tokens not in the row's tokens are left alone."""
     vocab = logits.shape[1]
     num_rows = pen.token_ids.shape[0]
     # the padding column counts nothing
@@ -91,7 +98,15 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
                             top_ps: torch.Tensor | None, min_ps: torch.Tensor | None
                             ) -> torch.Tensor:
-    """Set the logits that the masks drop to -inf. Ties at the top-k boundary are kept."""
+    """Set the logits that the masks drop to -inf. Ties at the top-k boundary are kept.
+
+    `logits` [rows, vocab] (already divided by the temperature); each mask has one value per
+    row, or is None when no row uses it. In order: top-k keeps the tokens at least as large as
+    the k-th largest logit (k = 0, or k >= vocab, keeps all); top-p then keeps, of what is left
+    and by its renormalised probabilities, the smallest set of most likely tokens whose mass
+    reaches p (p = 1 keeps all; the most likely token always stays); min-p then drops the
+    tokens less likely than min_p times the most likely one (0 keeps all). Returns the masked
+    logits (kept logits unchanged), a new tensor or `logits` itself."""
     if top_ks is not None or top_ps is not None:
         sorted_logits, order = logits.sort(dim=-1)   # ascending
         vocab = logits.shape[-1]
@@ -141,7 +156,12 @@ def score_prompt_tokens(compute_logits, hidden_states: torch.Tensor, index: torc
 def exponential_race(logits: torch.Tensor, temperatures: torch.Tensor,
                      seeds: torch.Tensor) -> torch.Tensor:
     """The draw in torch (the CPU's path, and the GPU kernel's reference); T = 0 rows take the
-    argmax."""
+    argmax.
+
+    `logits` [rows, vocab] (-inf for masked tokens), `temperatures` float32 [rows], `seeds`
+    int64 [rows] in [0, 2**63). Returns int64 [rows]: row i's token, drawn from
+    softmax(logits[i] / temperatures[i]) with random numbers from a generator seeded with
+    seeds[i] alone, so that a row draws the same token in any batch."""
     scaled = logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
     noise = torch.empty_like(scaled)
     for row, seed in enumerate(seeds.tolist()):

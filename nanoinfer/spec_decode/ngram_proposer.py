@@ -39,10 +39,15 @@ class NgramProposer:
         self.arrays.pop(seq_id, None)
 
     def find(self, tokens: np.ndarray, k: int) -> list[int]:
+        """The draft after `tokens` (int32 [num_tokens], a sequence's tokens so far): for n from
+        `max_n` down to `min_n`, look for the last n tokens at an earlier place (one that ends
+        before the last token; it may overlap the suffix); at the first n found, return the k
+        tokens that follow its earliest place, fewer where the sequence ends first, as a list of
+        ints. [] when no n in [min_n, max_n] is found."""
         last = len(tokens) - 1
         ends = np.flatnonzero(tokens[:last] == tokens[last])   # earlier places of the last token
         length = np.ones(len(ends), np.int64)                  # how far each match reaches back
-        for m in range(1, self.max_n):
+        for m in range(1, min(self.max_n, last)):
             grow = (length == m) & (ends >= m)
             grow[grow] = tokens[ends[grow] - m] == tokens[last - m]
             length += grow

@@ -27,8 +27,15 @@ import torch
 def accept_drafts(sampled: torch.Tensor, draft_token_ids: torch.Tensor,
                   num_drafts: torch.Tensor) -> torch.Tensor:
     """Point-mass drafts. sampled: int64 [rows], each sequence's k_i + 1 rows back to back;
-    draft_token_ids: int64 [seqs, k] (k = the most drafts, padded with -1); num_drafts: [seqs].
-    Returns int64 [seqs, k + 1]: the emitted tokens, then -1."""
+    draft_token_ids: int64 [seqs, k] (k = the most drafts, padded with -1); num_drafts: int64
+    [seqs]. All on one device; `sampled` may be a strided view. Returns int64 [seqs, k + 1]: the
+    emitted tokens, then -1.
+
+    Sequence i's rows are its samples at its drafts' positions and one more: row j (j < k_i)
+    holds the token sampled where draft j stands, row k_i the one after the last draft. It
+    emits its samples while they equal its drafts, then the first that does not (the token
+    that replaces the rejected draft) or, when all k_i drafts are accepted, the last row's (the
+    bonus token): 1 to k_i + 1 tokens, the accepted drafts first."""
     k = draft_token_ids.shape[1]
     start = torch.cumsum(num_drafts + 1, 0) - num_drafts - 1   # each sequence's first row
     cols = torch.arange(k + 1, device=sampled.device)

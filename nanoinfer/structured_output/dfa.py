@@ -168,7 +168,20 @@ def combine(parts: list, links: list[tuple[int, int]], first, final):
 
 def determinize(table: np.ndarray, is_final: np.ndarray, eps: dict[int, list[int]],
                 starts: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The subset construction over deterministic parts joined by epsilon links `eps`."""
+    """The subset construction over deterministic parts joined by epsilon links `eps`.
+
+    `table` (int32 [n, classes]) holds the parts side by side, as `combine` numbers them: row 0
+    is the dead state (all 0), and `table[s, c]` is the state s goes to on a byte of class c (0:
+    none). `is_final` (bool [n]) marks the states where the text may end; `eps[s]` lists the
+    states that s is as well (the starts of the parts that follow where s ends a part), to be
+    followed transitively; `starts` lists the states the text begins in. Every state but 0 can
+    reach a final state, by its row or its links.
+    Returns the DFA of that language, (table int32 [m, classes], accepting bool [m]), over the
+    same classes: state 0 dead (a row of 0s, not accepting), state 1 the start (`renumber` puts
+    them first), and every other state able to reach an accepting one (a state is a non-empty
+    set of the input's states; the empty set is 0). More than MAX_STATES states, or more than
+    `budget.subsets` sets of several states (compile_regex allows MAX_SUBSETS), is a ValueError.
+    """
     useless = ~is_final & ~table.any(1)   # no way on and not accepting: left out of every set
     useless[0] = True
 
@@ -260,6 +273,10 @@ class DFA:
         self.walk_table, self.byte_classes = table.tolist(), byte_class.tolist()
 
     def walk(self, state: int, data: bytes) -> int:
+        """The state after reading `data` from `state`: `table[state, byte_class[b]]` for each
+        byte b in turn (`walk_table` and `byte_classes` are the same as lists). The dead state 0
+        leads only to itself. A text may come in pieces, `walk(walk(s, a), b) == walk(s, a + b)`,
+        also when a piece ends inside a character."""
         for b in data:
             state = self.walk_table[state][self.byte_classes[b]]
         return state

@@ -82,7 +82,12 @@ class TokenIndex:
         self.masks: dict[int, np.ndarray] = {}
 
     def next_states(self, state: int) -> np.ndarray:
-        """int32 [vocab size]: the state each token leads to from `state` (0: it is not allowed)."""
+        """int32 [vocab size]: the state each token leads to from `state` (0: it is not allowed).
+
+        Token t's bytes (`vocab.token_bytes[t]`) walked from `state`: 0 if a byte leads to the
+        dead state, or if the token has no bytes (None: a special token, an id the tokenizer does
+        not have). `vocab.ids`, `lengths` and `matrix` hold the tokens that have bytes, as rows of
+        a byte matrix (zero-padded), for walking them all at once."""
         vocab, table, byte_class = self.vocab, self.dfa.table, self.dfa.byte_class
         ends = np.zeros(vocab.size, np.int32)
         rows = np.arange(len(vocab.ids))
@@ -98,7 +103,10 @@ class TokenIndex:
         return ends
 
     def allowed(self, state: int, ends: np.ndarray | None = None) -> np.ndarray:
-        """Bool [vocab size]: the tokens allowed in `state`."""
+        """Bool [vocab size]: the tokens allowed in `state`: those whose bytes end in a live
+        state (`ends`: `next_states(state)`, if the caller has it already). EOS (each id of
+        `vocab.eos_token_ids`) is allowed where the text so far is a full match (an accepting
+        state), and also in the dead state 0 and in a state that no token leaves."""
         allowed = (self.next_states(state) if ends is None else ends) != 0
         # EOS is allowed in an accepting state, in state 0 (after an EOS that ignore_eos let pass)
         # and in a state no token leaves (in a vocabulary without all bytes).
@@ -107,7 +115,9 @@ class TokenIndex:
         return allowed
 
     def bitmask(self, state: int, ends: np.ndarray | None = None) -> np.ndarray:
-        """int32 [words]: bit t % 32 of word t // 32 set if token t is allowed."""
+        """int32 [words]: bit t % 32 of word t // 32 set if token t is allowed (`allowed(state,
+        ends)`); the bits past the vocabulary are 0. `vocab.num_words` words. Made once per
+        state and kept in `self.masks[state]`, which later calls return."""
         mask = self.masks.get(state)
         if mask is None:
             bits = np.zeros(self.vocab.num_words * 32, np.bool_)

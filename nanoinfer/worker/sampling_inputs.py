@@ -32,7 +32,12 @@ SAMPLING_FIELDS = np.dtype([
 
 def token_seed(seed: int, index: int) -> int:
     """The seed of a seeded request's output token number `index`: a hash of both, the same on
-    every machine and Python version."""
+    every machine and Python version.
+
+    `seed` is any int64 (negative too), `index` >= 0 (0: the first output token). Returns an
+    int in [0, 2**63) (it goes into an int64 tensor and seeds a generator), spread over that
+    range like a hash's, so that different pairs give different seeds. Python's `hash` will not
+    do: it changes between versions, and hash(-1) == hash(-2)."""
     return xxhash.xxh64_intdigest(struct.pack("<qq", seed, index)) & (2**63 - 1)
 
 
