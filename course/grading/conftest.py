@@ -16,6 +16,12 @@ if not torch.cuda.is_available():   # Triton kernels run under the interpreter o
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import Phase, settings  # noqa: E402
+
+# A failing property test reports the first failing example it finds, without looking for a
+# smaller one: shrinking took longer than the rest of a check.
+settings.register_profile("grading", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+settings.load_profile("grading")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
