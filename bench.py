@@ -11,13 +11,15 @@ Next to the result it prints the roofline for the same workload: the bytes that 
 (every weight once per decode step, every cached K/V entry once per token that attends to it)
 over the measured HBM bandwidth, and the FLOPs over the measured matmul peak.
 
-The workload runs three times (a cold prefix cache each time) and the median counts. It also
+The workload runs three times (a cold prefix cache each time) and the median counts; the first
+run is printed beside it, since a user runs a workload once. It also
 breaks a step down: the host's phases (scheduling, building inputs, waiting for the sampled
 tokens, bookkeeping) and the GPU's busy time (CUDA events), averaged over all steps.
 
 Other modes: `--mode latency` (batch 1 and 8, fixed lengths: time to first token, time per
 output token, end-to-end; medians of several runs) and `--mode kernels` (the attention kernels
-alone: decode bandwidth, prefill TFLOP/s, next to torch's scaled_dot_product_attention).
+alone: decode bandwidth, prefill TFLOP/s, next to torch's scaled_dot_product_attention; then
+decode's small matmuls, the gemv kernel next to cuBLAS).
 
 Speculative decoding: `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`
 (vLLM's keys), and `--workload copy` for prompts that ask a real model (`--model`) to rewrite a
@@ -238,6 +240,22 @@ class StepTimer:
             lines.append(f"  {'GPU idle (wall - busy)':<22} {1e3 * self.host['step (wall)'] / steps - gpu:7.3f}")
         lines.append(f"step message of a {self.message[0]}-sequence decode step: {self.message[1]:,} bytes pickled")
         return "\n".join(lines)
+
+
+def triton_variants() -> int | None:
+    """How many variants of the engine's Triton kernels this process has compiled (None where
+    Triton keeps its caches elsewhere). Triton compiles a variant for each new specialization of
+    a kernel's arguments; one compiled during a timed run stalls it."""
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("nanoinfer.kernels."):
+            continue
+        for fn in vars(module).values():
+            caches = getattr(fn, "device_caches", None)
+            if not isinstance(caches, dict):
+                continue
+            count += sum(len(cache[0]) for cache in caches.values())
+    return count if count else None
 
 
 def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, runs: int = 5,
@@ -481,6 +499,7 @@ def kernels() -> None:
         line += f"; torch {name} " + (f"{flops / t / 1e9:,.0f} TFLOP/s" if t else "n/a")
     print(line)
     decode_slices(page, dim)
+    small_matmuls()
 
 
 def decode_slices(page: int, dim: int) -> None:
@@ -510,6 +529,39 @@ def decode_slices(page: int, dim: int) -> None:
             times.append(f"{min_pages}: {triton.testing.do_bench(graph.replay, return_mode='median') * 10:.1f}")
         print(f"decode {num_seqs} seqs x {kv_heads} kv heads x {group}, context {ctx}: µs per call by "
               f"slice pages {', '.join(times)} (chosen: {chosen})")
+
+
+def small_matmuls() -> None:
+    """The linear layers of a decode step (1, 8 and 16 rows, bf16) at Qwen3-0.6B's and -8B's
+    shapes: cuBLAS against the gemv kernel. Time per call in a CUDA graph, each call reading
+    another copy of the weight (at least 300 MB of copies: a layer's weight is not in L2 when
+    the next layer runs)."""
+    import math
+
+    import triton.testing
+
+    from nanoinfer.kernels.gemv import gemv
+    shapes = {"0.6b qkv": (1024, 4096), "0.6b o": (2048, 1024), "0.6b gate_up": (1024, 6144),
+              "0.6b down": (3072, 1024), "8b qkv": (4096, 6144), "8b o": (4096, 4096),
+              "8b gate_up": (4096, 24576), "8b down": (12288, 4096)}
+
+    def per_call(fns) -> float:
+        graph = torch.cuda.CUDAGraph()
+        for fn in fns:
+            fn()
+        with torch.cuda.graph(graph):
+            for fn in fns:
+                fn()
+        return triton.testing.do_bench(graph.replay, return_mode="median") * 1e3 / len(fns)
+    for name, (k, n) in shapes.items():
+        copies = max(4, math.ceil(300e6 / (2 * k * n)))
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
+        for rows in (1, 8, 16):
+            x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+            ours = per_call([lambda w=w: gemv(x, w) for w in weights])
+            theirs = per_call([lambda w=w: torch.nn.functional.linear(x, w) for w in weights])
+            print(f"linear {name} ({k} -> {n}), {rows} rows: cuBLAS {theirs:.2f} µs, gemv {ours:.2f} µs "
+                  f"({2 * k * n / ours / 1e6:.2f} TB/s)")
 
 
 def main():
@@ -637,16 +689,22 @@ def main():
         llm.reset_prefix_cache()   # every run starts cold, as the first did
         if here:
             torch.cuda.synchronize()
+        compiled = triton_variants()
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         if here:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        print(f"run {run + 1}: {rate(output_tokens / times[-1])} output tok/s")
+        stalls = triton_variants() - compiled if here and compiled is not None else 0
+        print(f"run {run + 1}: {rate(output_tokens / times[-1])} output tok/s"
+              + f" (Triton compiled {stalls} kernel variants during it)" * bool(stalls))
     elapsed = statistics.median(times)
     print(f"{args.num_seqs} seqs, {input_tokens} input + {output_tokens} output tokens in {elapsed:.2f} s "
           f"(median of {args.runs} runs): {rate(output_tokens / elapsed)} output tok/s, "
           f"{rate((input_tokens + output_tokens) / elapsed)} total tok/s")
+    if args.runs > 1:   # what a user who runs the workload once gets
+        print(f"first run: {rate(output_tokens / times[0])} output tok/s, "
+              f"{times[0] / elapsed - 1:+.1%} time against the median")
     if on_gpu:
         cfg = llm.llm_engine.config.hf_config
         dtype_bytes = llm.llm_engine.config.torch_dtype.itemsize

@@ -36,6 +36,22 @@ def test_prefill_kernel_bf16(shape):
     assert rel_err(out, reference(query, k_cache, v_cache, meta, 0.088)) < 2e-2
 
 
+@pytest.mark.parametrize("k, n", [(1024, 4096), (2048, 1024), (3072, 1024), (4096, 24576)])
+def test_gemv_bf16_at_model_shapes(k, n):
+    """A decode step's linear layers (up to 16 bf16 rows) go through the gemv kernel, within
+    bf16 rounding of an exact product; more rows go to torch."""
+    from nanoinfer.kernels.gemv import MAX_ROWS, gemv, linear
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    for rows in (1, 7, MAX_ROWS, MAX_ROWS + 1):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        out = linear(x, weight, bias)
+        picked = gemv(x, weight, bias) if rows <= MAX_ROWS else torch.nn.functional.linear(
+            x, weight, bias)
+        assert torch.equal(out, picked)
+        assert rel_err(out, x.double() @ weight.double().T + bias.double()) < 1e-2
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_engine_matches_transformers_on_gpu(model_dirs, family, enforce_eager):

@@ -176,8 +176,24 @@ def test_gumbel_max_sampling_kernel():
     assert torch.equal(moved.flip(0), out)
 
     probs = torch.tensor([0.6, 0.3, 0.1, 0.0], device=DEVICE)
-    rows = 1500
+    rows = 600   # (the draws are seeded: the same every run; 0.05 is 3 standard deviations)
     draws = gumbel_max_sample(probs.log().expand(rows, 4), torch.full((rows,), 0.5, device=DEVICE),
                               torch.arange(rows, device=DEVICE), block=16)
     expected = probs ** 2 / (probs ** 2).sum()   # temperature 0.5 squares the probabilities
-    assert torch.allclose(torch.bincount(draws, minlength=4).float() / rows, expected, atol=0.04)
+    assert torch.allclose(torch.bincount(draws, minlength=4).float() / rows, expected, atol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, k, n, block_k", [(1, 256, 64, 128), (5, 300, 40, 128),
+                                                 (16, 96, 48, 64)])
+def test_gemv(dtype, rows, k, n, block_k):
+    """A few rows times a weight, with and without a bias: K and N need not be multiples of the
+    tiles, and x may be a view with a row stride of its own."""
+    from nanoinfer.kernels.gemv import gemv
+    torch.manual_seed(rows)
+    x = torch.randn(rows, k + 7, dtype=dtype)[:, 3:k + 3]
+    weight, bias = torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
+    for b in (None, bias):
+        out = gemv(x.to(DEVICE), weight.to(DEVICE), None if b is None else b.to(DEVICE), 16, block_k)
+        expected = x.double() @ weight.double().T + (0 if b is None else b.double())
+        assert out.shape == (rows, n) and rel_err(out.cpu(), expected) < TOL[dtype]

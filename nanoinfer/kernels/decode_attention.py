@@ -39,7 +39,8 @@ def split_range(context_len, split, num_splits, min_split_pages, PAGE: tl.conste
     return start, tl.minimum(start + span, context_len), tl.cdiv(num_pages, split_pages)
 
 
-@triton.jit(do_not_specialize=["num_splits", "min_split_pages"])
+@triton.jit(do_not_specialize=["bt_stride", "num_splits", "min_split_pages"],   # (see prefill)
+            do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr"])
 def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                             partial_ptr, lse_ptr, scale_log2, q_stride, bt_stride, num_splits,
                             min_split_pages, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,

@@ -16,7 +16,10 @@ import triton.language as tl
 from nanoinfer.kernels.decode_attention import LOG2E, dot_precision
 
 
-@triton.jit
+# (The step's arrays are views into one buffer, at offsets that vary by step, and the block
+# table's width varies too: Triton would compile a variant for each alignment it meets.)
+@triton.jit(do_not_specialize=["bt_stride"], do_not_specialize_on_alignment=[
+    "cu_seqlens_q_ptr", "context_lens_ptr", "block_tables_ptr"])
 def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr,
                              context_lens_ptr, block_tables_ptr, scale_log2, q_stride, out_stride,
                              bt_stride, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,

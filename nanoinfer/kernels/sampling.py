@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])   # (it varies with the batch)
 def gumbel_max_kernel(logits_ptr, temperatures_ptr, seeds_ptr, best_ptr, best_idx_ptr, vocab_size,
                       row_stride, split_len, num_splits, BLOCK: tl.constexpr):
     row, split = tl.program_id(0), tl.program_id(1)

@@ -9,12 +9,15 @@
 Every parameter carries a `weight_loader(param, loaded_weight[, shard_id])` so the model
 loader never needs to know how a layer is split; `loaded_weight` may be a lazy safetensors
 slice, so a rank reads only its own part of the checkpoint.
+
+The forward is `linear` (kernels/gemv.py): torch's matmul, except for the few rows of a decode
+step in half precision on a GPU, which go to a kernel of our own (faster at those shapes).
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.distributed import get_tp_group, get_tp_size
+from nanoinfer.kernels.gemv import linear
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -42,7 +45,7 @@ class LinearBase(nn.Module):
         copy_shard(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def copy_shard(dst: torch.Tensor, loaded_weight, dim: int = 0, start: int = 0,
@@ -159,4 +162,4 @@ class RowParallelLinear(LinearBase):
         rank: the sum over the ranks of their partial products x @ weight.T, all-reduced over
         `self.tp_group`, plus the bias, added once."""
         bias = self.bias if self.tp_rank == 0 else None
-        return self.tp_group.all_reduce(F.linear(x, self.weight, bias))
+        return self.tp_group.all_reduce(linear(x, self.weight, bias))
