@@ -246,16 +246,16 @@ def triton_variants() -> int | None:
     """How many variants of the engine's Triton kernels this process has compiled (None where
     Triton keeps its caches elsewhere). Triton compiles a variant for each new specialization of
     a kernel's arguments; one compiled during a timed run stalls it."""
-    count = 0
+    count, found = 0, False
     for name, module in list(sys.modules.items()):
         if not name.startswith("nanoinfer.kernels."):
             continue
         for fn in vars(module).values():
             caches = getattr(fn, "device_caches", None)
-            if not isinstance(caches, dict):
-                continue
-            count += sum(len(cache[0]) for cache in caches.values())
-    return count if count else None
+            if isinstance(caches, dict):
+                found = True
+                count += sum(len(cache[0]) for cache in caches.values())
+    return count if found else None
 
 
 def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, runs: int = 5,
@@ -533,7 +533,7 @@ def decode_slices(page: int, dim: int) -> None:
 
 def small_matmuls() -> None:
     """The linear layers of a decode step (1, 8 and 16 rows, bf16) at Qwen3-0.6B's and -8B's
-    shapes: cuBLAS against the gemv kernel. Time per call in a CUDA graph, each call reading
+    shapes (the 8B's also at tensor parallelism 2): cuBLAS against the gemv kernel. Time per call in a CUDA graph, each call reading
     another copy of the weight (at least 300 MB of copies: a layer's weight is not in L2 when
     the next layer runs)."""
     import math
@@ -543,7 +543,9 @@ def small_matmuls() -> None:
     from nanoinfer.kernels.gemv import gemv
     shapes = {"0.6b qkv": (1024, 4096), "0.6b o": (2048, 1024), "0.6b gate_up": (1024, 6144),
               "0.6b down": (3072, 1024), "8b qkv": (4096, 6144), "8b o": (4096, 4096),
-              "8b gate_up": (4096, 24576), "8b down": (12288, 4096)}
+              "8b gate_up": (4096, 24576), "8b down": (12288, 4096), "8b tp2 qkv": (4096, 3072),
+              "8b tp2 o": (2048, 4096), "8b tp2 gate_up": (4096, 12288), "8b tp2 down": (6144, 4096)}
+    total = {"cuBLAS": 0.0, "gemv": 0.0}
 
     def per_call(fns) -> float:
         graph = torch.cuda.CUDAGraph()
@@ -560,8 +562,10 @@ def small_matmuls() -> None:
             x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
             ours = per_call([lambda w=w: gemv(x, w) for w in weights])
             theirs = per_call([lambda w=w: torch.nn.functional.linear(x, w) for w in weights])
+            total["cuBLAS"], total["gemv"] = total["cuBLAS"] + theirs, total["gemv"] + ours
             print(f"linear {name} ({k} -> {n}), {rows} rows: cuBLAS {theirs:.2f} µs, gemv {ours:.2f} µs "
                   f"({2 * k * n / ours / 1e6:.2f} TB/s)")
+    print(f"linear, all of the above: cuBLAS {total['cuBLAS']:.0f} µs, gemv {total['gemv']:.0f} µs")
 
 
 def main():

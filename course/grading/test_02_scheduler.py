@@ -13,25 +13,19 @@ stand-in for the model runner "samples" a token for every sequence whose step re
 its known tokens (a fixed function of the tokens before it), and hands it to
 `update_from_output`, as the engine core does without async scheduling.
 """
-import functools
-import itertools
-import random
 from collections import deque
 
 from conftest import hf_greedy, random_prompts
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from scheduling import BS, next_token, request, scheduler_of, tokens
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.config import Config
-from nanoinfer.core.block_manager import BlockManager
 from nanoinfer.core.messages import ModelRunnerOutput, SchedulerOutput
 from nanoinfer.core.scheduler import Scheduler
 from nanoinfer.core.sequence import Sequence
 
-BS = 4            # block size of the schedulers built here
 MAX_STEPS = 2000  # a workload that takes longer has stopped making progress
-seq_ids = itertools.count()
 PROPERTY = settings(max_examples=30, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 # A workload: requests, each (the step it arrives before, prompt length, max_tokens); and a
@@ -39,33 +33,6 @@ PROPERTY = settings(max_examples=30, deadline=None, derandomize=True,
 WORKLOADS = st.lists(st.tuples(st.integers(0, 6), st.integers(1, 40), st.integers(1, 5)),
                      min_size=1, max_size=8)
 SMALL = [(0, 30, 3), (0, 5, 2), (2, 9, 2)]
-
-
-@functools.cache
-def config_of(model_dir: str, budget: int, max_seqs: int) -> Config:
-    return Config(model_dir, device="cpu", block_size=BS, max_num_batched_tokens=budget,
-                  max_num_seqs=max_seqs)
-
-
-def scheduler_of(model_dir: str, budget: int = 64, max_seqs: int = 8, num_blocks: int = 256,
-                 prefix_caching: bool = True) -> Scheduler:
-    config = config_of(model_dir, budget, max_seqs)
-    return Scheduler(config, BlockManager(num_blocks, BS, prefix_caching, config.max_model_len))
-
-
-def request(token_ids, max_tokens: int) -> Sequence:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return Sequence(next(seq_ids), list(token_ids), params, max_tokens=max_tokens, block_size=BS)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(n)]
-
-
-def next_token(token_ids: list[int]) -> int:
-    """The stand-in model: the next token is a fixed function of all the tokens before it."""
-    return 3 + (31 * sum(token_ids) + len(token_ids)) % 500
 
 
 def sample(scheduler: Scheduler, out: SchedulerOutput) -> list[int]:
