@@ -270,7 +270,7 @@ def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=not copy,
                             output_kind=RequestOutputKind.DELTA)
     for batch in (1, 8):
-        ttft, tpot, e2e, lengths = [], [], [], []
+        ttft, tpot, e2e, lengths, first_step = [], [], [], [], []
         for run in range(runs + 1):
             rng = random.Random(run)   # new prompts each run: no prefix-cache hits
             prompts = copy_prompts(engine.tokenizer, batch, run) if copy else [
@@ -279,7 +279,10 @@ def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, 
                 engine.add_request(f"{batch}-{run}-{i}", prompt, params)
             start, first, num_tokens = time.perf_counter(), {}, {}
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                outs = engine.step()
+                if run and len(first_step) < run:   # the step() that launches the prefill
+                    first_step.append(time.perf_counter() - start)
+                for out in outs:
                     now, rid = time.perf_counter(), out.request_id
                     first.setdefault(rid, now)
                     num_tokens[rid] = num_tokens.get(rid, 0) + len(out.outputs[0].token_ids)
@@ -296,7 +299,8 @@ def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, 
         out_len = f"{statistics.median(lengths):.0f} (median)" if copy else output_len
         print(f"batch {batch}, {'copy prompts' if copy else input_len} in / {out_len} out, median of {runs}: "
               f"TTFT {1e3 * statistics.median(ttft):.1f} ms, TPOT {1e3 * statistics.median(tpot):.2f} ms{bound}, "
-              f"end-to-end {statistics.median(e2e):.3f} s")
+              f"end-to-end {statistics.median(e2e):.3f} s; the first step() call (it launches the "
+              f"prefill) {1e3 * statistics.median(first_step):.1f} ms")
     print_spec_stats(engine)
 
 
