@@ -280,7 +280,9 @@ def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, 
             start, first, num_tokens = time.perf_counter(), {}, {}
             while engine.has_unfinished_requests():
                 outs = engine.step()
-                if run and len(first_step) < run:   # the step() that launches the prefill
+                # (with async scheduling the host's time to launch the prefill, if one step
+                # holds it; without, the prefill's whole time)
+                if run and len(first_step) < run:
                     first_step.append(time.perf_counter() - start)
                 for out in outs:
                     now, rid = time.perf_counter(), out.request_id
@@ -299,8 +301,8 @@ def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, 
         out_len = f"{statistics.median(lengths):.0f} (median)" if copy else output_len
         print(f"batch {batch}, {'copy prompts' if copy else input_len} in / {out_len} out, median of {runs}: "
               f"TTFT {1e3 * statistics.median(ttft):.1f} ms, TPOT {1e3 * statistics.median(tpot):.2f} ms{bound}, "
-              f"end-to-end {statistics.median(e2e):.3f} s; the first step() call (it launches the "
-              f"prefill) {1e3 * statistics.median(first_step):.1f} ms")
+              f"end-to-end {statistics.median(e2e):.3f} s; the first step() call "
+              f"{1e3 * statistics.median(first_step):.1f} ms")
     print_spec_stats(engine)
 
 

@@ -103,10 +103,6 @@ class RecordingTokenizer:
 
     def __getattr__(self, name):
         method = getattr(self.tokenizer, name)
-        if name == "backend_tokenizer":   # (the fast tokenizer's own, which `_decode` calls)
-            backend = RecordingTokenizer(method)
-            backend.lengths = self.lengths
-            return backend
         if name not in ("decode", "batch_decode", "convert_ids_to_tokens",
                         "convert_tokens_to_string"):
             return method

@@ -10,7 +10,7 @@ that add no text (skipped) are dropped from the window.
 Stop strings are searched only in the tail that the new text could have completed; the output
 is cut just before the stop string (just after it with `include_stop_str_in_output`).
 """
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from nanoinfer.sampling_params import SamplingParams
 
@@ -27,9 +27,13 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.skipped = set(tokenizer.all_special_ids) if params.skip_special_tokens else set()
-        # A fast tokenizer's own (Rust) decode: what transformers' decode calls, less its
-        # wrapper, which costs twice the decode itself; this runs twice per token of a stream.
-        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        # A fast tokenizer's own (Rust) decode: all that transformers' decode does (but for the
+        # clean-up of spaces, off here) unless the class changes it; its wrapper costs twice the
+        # decode itself, and this runs twice per token of a stream.
+        kind = type(tokenizer)
+        plain = (getattr(kind, "decode", None) is PreTrainedTokenizerBase.decode
+                 and getattr(kind, "_decode", None) is PreTrainedTokenizerFast._decode)
+        self.backend = tokenizer.backend_tokenizer if plain else None
 
     def _decode(self, token_ids: list[int]) -> str:
         skip = self.params.skip_special_tokens
