@@ -508,6 +508,19 @@ def kernels() -> None:
     small_matmuls()
 
 
+def graph_us_per_call(calls) -> float:
+    """µs per call of these calls captured in one CUDA graph (no launch cost between them), each
+    run once before, to compile; the median of `triton.testing.do_bench` over its replays."""
+    import triton.testing
+    for call in calls:
+        call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return triton.testing.do_bench(graph.replay, return_mode="median") * 1e3 / len(calls)
+
+
 def decode_slices(page: int, dim: int) -> None:
     """Small-batch decode: time per call (100 calls in one CUDA graph, so no launch cost) against
     the shortest slice of the split-KV decode (`min_split_pages`)."""
@@ -527,24 +540,17 @@ def decode_slices(page: int, dim: int) -> None:
         for min_pages in (1, 4, 8, 32):
             call = lambda: decode_attention(q, k_cache, v_cache, block_tables, context_lens, dim ** -0.5,  # noqa: E731
                                             num_splits, min_pages)
-            call()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(100):
-                    call()
-            times.append(f"{min_pages}: {triton.testing.do_bench(graph.replay, return_mode='median') * 10:.1f}")
+            times.append(f"{min_pages}: {graph_us_per_call([call] * 100):.1f}")
         print(f"decode {num_seqs} seqs x {kv_heads} kv heads x {group}, context {ctx}: µs per call by "
               f"slice pages {', '.join(times)} (chosen: {chosen})")
 
 
 def small_matmuls() -> None:
     """The linear layers of a decode step (1, 8 and 16 rows, bf16) at Qwen3-0.6B's and -8B's
-    shapes (the 8B's also at tensor parallelism 2): cuBLAS against the gemv kernel. Time per call in a CUDA graph, each call reading
-    another copy of the weight (at least 300 MB of copies: a layer's weight is not in L2 when
-    the next layer runs)."""
+    shapes (the 8B's also at tensor parallelism 2): cuBLAS against the gemv kernel. Time per
+    call in a CUDA graph, each call reading another copy of the weight (at least 300 MB of
+    copies: a layer's weight is not in L2 when the next layer runs)."""
     import math
-
-    import triton.testing
 
     from nanoinfer.kernels.gemv import gemv
     shapes = {"0.6b qkv": (1024, 4096), "0.6b o": (2048, 1024), "0.6b gate_up": (1024, 6144),
@@ -552,22 +558,13 @@ def small_matmuls() -> None:
               "8b gate_up": (4096, 24576), "8b down": (12288, 4096), "8b tp2 qkv": (4096, 3072),
               "8b tp2 o": (2048, 4096), "8b tp2 gate_up": (4096, 12288), "8b tp2 down": (6144, 4096)}
     total = {"cuBLAS": 0.0, "gemv": 0.0}
-
-    def per_call(fns) -> float:
-        graph = torch.cuda.CUDAGraph()
-        for fn in fns:
-            fn()
-        with torch.cuda.graph(graph):
-            for fn in fns:
-                fn()
-        return triton.testing.do_bench(graph.replay, return_mode="median") * 1e3 / len(fns)
     for name, (k, n) in shapes.items():
         copies = max(4, math.ceil(300e6 / (2 * k * n)))
         weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
         for rows in (1, 8, 16):
             x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-            ours = per_call([lambda w=w: gemv(x, w) for w in weights])
-            theirs = per_call([lambda w=w: torch.nn.functional.linear(x, w) for w in weights])
+            ours = graph_us_per_call([lambda w=w: gemv(x, w) for w in weights])
+            theirs = graph_us_per_call([lambda w=w: torch.nn.functional.linear(x, w) for w in weights])
             total["cuBLAS"], total["gemv"] = total["cuBLAS"] + theirs, total["gemv"] + ours
             print(f"linear {name} ({k} -> {n}), {rows} rows: cuBLAS {theirs:.2f} µs, gemv {ours:.2f} µs "
                   f"({2 * k * n / ours / 1e6:.2f} TB/s)")

@@ -10,12 +10,14 @@ FAMILIES = ["llama", "qwen2", "qwen3"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def generate_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False)]
+def generate_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY
+                 ) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def expected(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
-    return [hf_greedy(model_dir, p, GREEDY.max_tokens) for p in prompts]
+def expected(model_dir: str, prompts: list[list[int]], max_tokens: int = GREEDY.max_tokens
+             ) -> list[list[int]]:
+    return [hf_greedy(model_dir, p, max_tokens) for p in prompts]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -79,7 +81,6 @@ def test_triton_backend(model_dirs, family):
               dtype="float32", enforce_eager=True)
     # (few tokens: every interpreted step takes a while)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    ids = [o.outputs[0].token_ids for part in (prompts[:1], prompts[1:])
-           for o in llm.generate(part, params, use_tqdm=False)]
+    ids = generate_ids(llm, prompts[:1], params) + generate_ids(llm, prompts[1:], params)
     assert llm.llm_engine.scheduler.block_manager.num_prefix_hit_tokens == 32
-    assert ids == [hf_greedy(model_dirs[family], p, params.max_tokens) for p in prompts]
+    assert ids == expected(model_dirs[family], prompts, params.max_tokens)
