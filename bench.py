@@ -50,6 +50,7 @@ minute, and says so; the roofline is only printed on a GPU.
 """
 import argparse
 import asyncio
+import collections
 import dataclasses
 import itertools
 import json
@@ -242,11 +243,11 @@ class StepTimer:
         return "\n".join(lines)
 
 
-def triton_variants() -> int | None:
-    """How many variants of the engine's Triton kernels this process has compiled (None where
-    Triton keeps its caches elsewhere). Triton compiles a variant for each new specialization of
-    a kernel's arguments; one compiled during a timed run stalls it."""
-    count, found = 0, False
+def triton_variants() -> collections.Counter | None:
+    """How many variants of each of the engine's Triton kernels this process has compiled (None
+    where Triton keeps its caches elsewhere). Triton compiles a variant for each new
+    specialization of a kernel's arguments; one compiled during a timed run stalls it."""
+    count, found = collections.Counter(), False
     for name, module in list(sys.modules.items()):
         if not name.startswith("nanoinfer.kernels."):
             continue
@@ -254,7 +255,7 @@ def triton_variants() -> int | None:
             caches = getattr(fn, "device_caches", None)
             if isinstance(caches, dict):
                 found = True
-                count += sum(len(cache[0]) for cache in caches.values())
+                count[fn.__name__] += sum(len(cache[0]) for cache in caches.values())
     return count if found else None
 
 
@@ -702,9 +703,9 @@ def main():
         if here:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        stalls = triton_variants() - compiled if here and compiled is not None else 0
-        print(f"run {run + 1}: {rate(output_tokens / times[-1])} output tok/s"
-              + f" (Triton compiled {stalls} kernel variants during it)" * bool(stalls))
+        stalls = triton_variants() - compiled if here and compiled is not None else {}
+        print(f"run {run + 1}: {rate(output_tokens / times[-1])} output tok/s" + bool(stalls) * (
+            " (Triton compiled during it: " + ", ".join(f"{n} x {k}" for k, n in stalls.items()) + ")"))
     elapsed = statistics.median(times)
     print(f"{args.num_seqs} seqs, {input_tokens} input + {output_tokens} output tokens in {elapsed:.2f} s "
           f"(median of {args.runs} runs): {rate(output_tokens / elapsed)} output tok/s, "

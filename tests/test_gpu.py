@@ -67,6 +67,25 @@ def test_engine_matches_transformers_on_gpu(model_dirs, family, enforce_eager):
     assert outs == [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in prompts]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_prefill_graphs_match_transformers(model_dirs, family):
+    """float32: prompt chunks and mixed steps of up to 16 sequences replay the prefill graphs
+    (padded to a graph's token count, with spare sequences), prefix hits and chunks too; every
+    token stays transformers'. The same prompts with 17 at once run their prefill eagerly."""
+    prompts = random_prompts([3, 17, 40, 64, 100, 300], seed=37, prefix=random_prompts([16], seed=32)[0])
+    llm = LLM(model_dirs[family], dtype="float32", max_num_batched_tokens=256, max_model_len=512)
+    runner, sizes = llm.llm_engine.model_executor.graph_runner, []
+    graph_size = runner.graph_size
+    runner.graph_size = lambda meta, n: sizes.append(graph_size(meta, n)) or sizes[-1]
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    del runner.graph_size   # a reference cycle
+    assert any(not decode for _, decode in filter(None, sizes))
+    assert outs == [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in prompts]
+    many = random_prompts([5] * 17, seed=38)
+    outs = [o.outputs[0].token_ids for o in llm.generate(many, GREEDY, use_tqdm=False)]
+    assert outs == [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in many]
+
+
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_prompt_logprobs_and_logit_bias_on_gpu(llama_dir, enforce_eager):
     """float32: every prompt token's logprob equals transformers', over prefill chunks; a logit
@@ -125,7 +144,7 @@ def test_graphs_are_used_for_decode(llama_dir):
     run = runner.graph_runner.run
     runner.graph_runner.run = lambda *a: replays.append(1) or run(*a)
     llm.generate(random_prompts([10, 20]), GREEDY, use_tqdm=False)
-    assert len(replays) == GREEDY.max_tokens - 1
+    assert len(replays) == GREEDY.max_tokens   # the prefill step's graph, then every decode's
     del runner.graph_runner.run   # a reference cycle: the engine's memory would outlive the test
 
 
@@ -213,12 +232,12 @@ def test_speculative_decoding_on_gpu(llama_dir, tmp_path, method):
     want = LLM(llama_dir, **settings).generate(prompts, params, use_tqdm=False)
     llm = LLM(llama_dir, speculative_config=spec, **settings)
     graphs, rows = llm.llm_engine.model_executor.graph_runner, []
-    run = graphs.run
-    graphs.run = lambda input_ids, *a: rows.append(len(input_ids)) or run(input_ids, *a)
+    graph_size = graphs.graph_size
+    graphs.graph_size = lambda meta, n: rows.append(n * (meta.max_seqlen_q == 1)) or graph_size(meta, n)
     got = llm.generate(prompts, params, use_tqdm=False)
-    del graphs.run   # a reference cycle
+    del graphs.graph_size   # a reference cycle
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert max(rows) > len(prompts)   # steps with drafts ran as graphs
+    assert max(rows) > len(prompts)   # steps with drafts ran as decode graphs
     assert llm.llm_engine.scheduler.spec_stats.num_draft_tokens > 0
 
 

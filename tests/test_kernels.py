@@ -6,6 +6,8 @@ tests run them in bfloat16 at real model shapes.
 """
 import random
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 import torch
 
@@ -98,6 +100,28 @@ def test_prefill_attention(dtype, group):
     out = prefill_attention(query, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
                             meta.max_seqlen_q, 0.125)
     assert rel_err(out, reference(query, k_cache, v_cache, meta, 0.125)) < TOL[dtype]
+
+
+@hypothesis.settings(max_examples=15, deadline=None, database=None, derandomize=True)
+@hypothesis.given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 30)), min_size=1, max_size=5),
+                  st.integers(0, 3), st.integers(0, 40))
+@hypothesis.example(seqs=[(1, 3)] * 66 + [(20, 5)], spare_seqs=2, spare_rows=3)   # 64 and more
+def test_prefill_attention_padded_as_in_a_cuda_graph(seqs, spare_seqs, spare_rows):
+    """Random query lengths and cached prefixes, with what a CUDA graph adds: spare sequences with
+    no queries and no context, and spare query rows after the step's. The step's rows are
+    unchanged by them (and every program finds its sequence: block_m is 16 here, so the
+    sequences own several programs each)."""
+    from nanoinfer.kernels.prefill_attention import prefill_attention
+    query_lens, context_lens = [q for q, _ in seqs], [q + p for q, p in seqs]
+    query, k_cache, v_cache, meta = make_step(query_lens, context_lens, 4, 2, 32, torch.float32)
+    want = reference(query, k_cache, v_cache, meta, 0.125)
+    tokens = len(query)
+    cu = torch.cat([meta.cu_seqlens_q, meta.cu_seqlens_q[-1:].repeat(spare_seqs)])
+    lens = torch.cat([meta.context_lens, meta.context_lens.new_zeros(spare_seqs)])
+    tables = torch.cat([meta.block_tables, meta.block_tables.new_zeros(spare_seqs, meta.block_tables.shape[1])])
+    padded = torch.cat([query, torch.randn(spare_rows, *query.shape[1:], device=DEVICE)])
+    out = prefill_attention(padded, k_cache, v_cache, cu, lens, tables, tokens + spare_rows, 0.125)
+    assert rel_err(out[:tokens], want) < TOL[torch.float32]
 
 
 def test_head_dim_not_a_power_of_two():

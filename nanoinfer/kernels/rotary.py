@@ -30,7 +30,9 @@ def _rotate_heads(x_ptr, stride, token, num_heads, cos, sin, norm_ptr, eps, HEAD
     tl.store(ptrs + HEAD_DIM // 2, (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype), mask=mask)
 
 
-@triton.jit
+# (positions is a view into the step's packed int64 buffer, after its token ids: whether it is
+# 16-byte aligned depends on the token count, and Triton would compile a variant for each)
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
                   q_stride, k_stride, num_q_heads, num_k_heads, HEAD_DIM: tl.constexpr,
                   HAS_NORM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
