@@ -304,6 +304,13 @@ def latency(llm: LLM, input_len: int, output_len: int, bandwidth: float | None, 
               f"TTFT {1e3 * statistics.median(ttft):.1f} ms, TPOT {1e3 * statistics.median(tpot):.2f} ms{bound}, "
               f"end-to-end {statistics.median(e2e):.3f} s; the first step() call "
               f"{1e3 * statistics.median(first_step):.1f} ms")
+    graphs = getattr(getattr(engine.model_executor, "graph_runner", None), "graphs", {})
+    if 8 in graphs:   # a decode step's forward on the GPU, without the host
+        import triton.testing
+        for batch in (1, 8):
+            us = 1e3 * triton.testing.do_bench(graphs[batch].replay, return_mode="median")
+            print(f"batch {batch}: a decode step's CUDA graph alone (the forward; no LM head, no sampling) "
+                  f"{us:.0f} µs")
     print_spec_stats(engine)
 
 
