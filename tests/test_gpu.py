@@ -70,20 +70,21 @@ def test_engine_matches_transformers_on_gpu(model_dirs, family, enforce_eager):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_prefill_graphs_match_transformers(model_dirs, family):
     """float32: prompt chunks and mixed steps of up to 16 sequences replay the prefill graphs
-    (padded to a graph's token count, with spare sequences), prefix hits and chunks too; every
-    token stays transformers'. The same prompts with 17 at once run their prefill eagerly."""
-    prompts = random_prompts([3, 17, 40, 64, 100, 300], seed=37, prefix=random_prompts([16], seed=32)[0])
+    (padded to a graph's token count, with spare sequences), prefix hits and chunks too, then
+    fewer sequences than the graph ran before (the spare ones must not keep their queries); every
+    token stays transformers'. A step of 17 sequences runs eagerly."""
     llm = LLM(model_dirs[family], dtype="float32", max_num_batched_tokens=256, max_model_len=512)
-    runner, sizes = llm.llm_engine.model_executor.graph_runner, []
+    runner, steps = llm.llm_engine.model_executor.graph_runner, []
     graph_size = runner.graph_size
-    runner.graph_size = lambda meta, n: sizes.append(graph_size(meta, n)) or sizes[-1]
-    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    runner.graph_size = lambda meta, n: steps.append((graph_size(meta, n), len(meta.context_lens))) or steps[-1][0]
+    prefix = random_prompts([16], seed=32)[0]
+    for prompts in (random_prompts([3, 17, 40, 64, 100, 300], seed=37, prefix=prefix), random_prompts([150, 7], seed=39),
+                    random_prompts([5] * 17, seed=38)):
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert outs == [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in prompts]
     del runner.graph_size   # a reference cycle
-    assert any(not decode for _, decode in filter(None, sizes))
-    assert outs == [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in prompts]
-    many = random_prompts([5] * 17, seed=38)
-    outs = [o.outputs[0].token_ids for o in llm.generate(many, GREEDY, use_tqdm=False)]
-    assert outs == [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in many]
+    assert any(size and not size[1] for size, seqs in steps if seqs == 2)   # a prefill graph, 2 sequences
+    assert any(size is None for size, seqs in steps if seqs == 17)
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])
@@ -214,10 +215,12 @@ def test_a_step_launches_without_waiting_for_the_gpu(llama_dir):
     del runner.execute_model, runner.sample_tokens   # reference cycles, which would keep the memory
 
 
-@pytest.mark.parametrize("method", ["ngram", "medusa", "eagle"])
-def test_speculative_decoding_on_gpu(llama_dir, tmp_path, method):
-    """float32: verification steps replay the decode CUDA graphs (a row per token) and every
-    greedy and seeded token stays what it is without speculation."""
+@pytest.mark.parametrize("method, max_num_seqs", [("ngram", 64), ("medusa", 64), ("eagle", 64), ("ngram", 4)])
+def test_speculative_decoding_on_gpu(llama_dir, tmp_path, method, max_num_seqs):
+    """float32: verification steps replay the decode CUDA graphs (a row per token; with 4
+    sequences at most, the decode graphs are too small for that and they replay the prefill
+    graphs, a sequence of k + 1 queries each) and every greedy and seeded token stays what it is
+    without speculation."""
     spec = {"method": method, "num_speculative_tokens": 3}
     if method == "ngram":
         spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
@@ -228,16 +231,19 @@ def test_speculative_decoding_on_gpu(llama_dir, tmp_path, method):
     prompts[1] = [9, 8, 7, 6] * 10   # repeats itself: n-gram drafts
     params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * 4 + [
         SamplingParams(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True)]
-    settings = dict(dtype="float32", max_model_len=256, max_num_seqs=64)
+    settings = dict(dtype="float32", max_model_len=256, max_num_seqs=max_num_seqs)
     want = LLM(llama_dir, **settings).generate(prompts, params, use_tqdm=False)
     llm = LLM(llama_dir, speculative_config=spec, **settings)
-    graphs, rows = llm.llm_engine.model_executor.graph_runner, []
+    graphs, steps = llm.llm_engine.model_executor.graph_runner, []
     graph_size = graphs.graph_size
-    graphs.graph_size = lambda meta, n: rows.append(n * (meta.max_seqlen_q == 1)) or graph_size(meta, n)
+    graphs.graph_size = lambda meta, n: steps.append((graph_size(meta, n), n, meta.max_seqlen_q)) or steps[-1][0]
     got = llm.generate(prompts, params, use_tqdm=False)
     del graphs.graph_size   # a reference cycle
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert max(rows) > len(prompts)   # steps with drafts ran as decode graphs
+    if max_num_seqs == 64:   # steps with drafts ran as decode graphs
+        assert any(size and size[1] and n > len(prompts) for size, n, _ in steps)
+    else:   # steps that only verify drafts ran as prefill graphs
+        assert any(size and not size[1] and 1 < max_q <= 4 for size, _, max_q in steps)
     assert llm.llm_engine.scheduler.spec_stats.num_draft_tokens > 0
 
 

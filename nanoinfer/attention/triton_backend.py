@@ -1,8 +1,8 @@
 """The default attention backend on GPU: the project's own Triton kernels.
 
-A step whose sequences all have exactly one query token (pure decode, the common case and the
-one CUDA graphs capture) runs the split-KV decode kernel; any other step (prompt chunks,
-possibly mixed with decodes) runs the paged prefill kernel, which handles both.
+A step whose sequences all have exactly one query token (pure decode, the common case) runs
+the split-KV decode kernel; any other step (prompt chunks, possibly mixed with decodes) runs the
+paged prefill kernel, which handles both. Both can be captured in CUDA graphs.
 """
 import torch
 

@@ -84,7 +84,8 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlen
 def find_sequence(cu_seqlens_q_ptr, num_seqs, program, BLOCK_M: tl.constexpr):
     """The last sequence i whose first program number, cu_seqlens_q[i] // BLOCK_M + i, is at
     most `program`: those numbers only grow with i, so it is how many are at most `program`,
-    less one (sequence 0's is 0). The loads of 64 at a time do not wait on each other."""
+    less one (sequence 0's is 0: cu_seqlens_q[0] must be 0). The loads of 64 at a time do not
+    wait on each other."""
     count = program * 0
     for start in range(0, num_seqs, 64):
         i = start + tl.arange(0, 64)

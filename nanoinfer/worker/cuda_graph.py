@@ -7,8 +7,8 @@ time to the first token is the host's. A CUDA graph records the whole forward on
 with one launch. A graph has fixed shapes and fixed addresses, so:
 - forwards are captured for a ladder of sizes, largest first, all sharing one memory pool:
   decode steps (one query per sequence) of 1, 2, 4, 8, then every 16 up to the largest batch;
-  prefill steps (any mix of prompt chunks and decodes) of 128 up to 4096 tokens and at most
-  `PREFILL_SEQS` sequences;
+  prefill steps (any mix of prompt chunks and decodes) of 128 up to 4096 tokens (up to
+  `max_num_batched_tokens`) and at most `PREFILL_SEQS` sequences;
 - every input lives in a static buffer, copied in before each replay; a step runs the smallest
   graph that holds it, and the padding writes nowhere (slot -1) and attends to nothing: padding
   rows of a decode graph have context length 0, padding tokens of a prefill graph belong to no
@@ -18,8 +18,8 @@ with one launch. A graph has fixed shapes and fixed addresses, so:
 - the block-table buffer is as wide as the longest sequence (max_model_len) can need;
 - a pipeline stage's graphs also read the previous stage's hidden states and residual from static
   buffers, and on every stage but the last leave their own in two more.
-The graphs' memory is the activations of the largest (4096 tokens), outside what the KV cache's
-sizing counted (kv_cache.py); other steps run eagerly.
+The graphs' memory (the activations of the largest, 4096 tokens at most, in a pool of their own)
+is set aside before the KV cache is sized (kv_cache.py). Other steps run eagerly.
 """
 import torch
 
@@ -32,14 +32,19 @@ PREFILL_TOKENS = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 PREFILL_SEQS = 16
 
 
+def graph_sizes(config: Config) -> tuple[list[int], list[int]]:
+    """The batch sizes of the decode graphs, and the token counts of the prefill graphs."""
+    max_batch_size = min(config.max_num_seqs, 512)
+    sizes = [1, 2, 4, 8, *range(16, max_batch_size + 1, 16), max_batch_size]
+    return sorted({b for b in sizes if b <= max_batch_size}), \
+        [t for t in PREFILL_TOKENS if t <= config.max_num_batched_tokens]
+
+
 class CUDAGraphRunner:
 
     def __init__(self, model: torch.nn.Module, config: Config, device: torch.device,
                  first_stage: bool = True, last_stage: bool = True):
-        max_batch_size = min(config.max_num_seqs, 512)
-        sizes = [1, 2, 4, 8, *range(16, max_batch_size + 1, 16), max_batch_size]
-        self.batch_sizes = sorted({b for b in sizes if b <= max_batch_size})
-        self.prefill_sizes = [t for t in PREFILL_TOKENS if t <= config.max_num_batched_tokens]
+        self.batch_sizes, self.prefill_sizes = graph_sizes(config)
         n = max([self.batch_sizes[-1], *self.prefill_sizes])   # tokens
         seqs = max(self.batch_sizes[-1], PREFILL_SEQS)
         hidden, dtype = config.hf_config.hidden_size, config.torch_dtype

@@ -17,9 +17,10 @@ at its last k + 1 positions: its logits rows are k + 1 "sample rows", each with 
 it samples at, so seeds, penalties and min_tokens apply to every row as they would one by one.
 A step that only verifies drafts (no longer prompt chunks) gives attention one row per token,
 each a single query over its own causal prefix: the same result, computed by the decode kernel,
-so the step can replay a CUDA graph like any decode. Each row reads its sequence's keys again
-(k + 1 times in all, against once for the multi-query kernel), which the graph's saved launches
-pay for only while a graph can run the step: larger steps, and eager engines, are not flattened.
+so the step can replay a decode CUDA graph. Each row reads its sequence's keys again (k + 1 times
+in all, against once for the multi-query kernel), which the graph's saved launches pay for only
+while a decode graph can run the step: larger steps, and eager engines, are not flattened (a
+prefill graph takes the larger ones of up to 16 sequences).
 """
 import itertools
 from dataclasses import dataclass
@@ -205,7 +206,7 @@ class InputBatch(SamplingInputs):
                            slot_mapping: torch.Tensor, num_drafts: np.ndarray | None
                            ) -> AttentionMetadata:
         """Per request its query count, key count and block table. A
-        step that only verifies drafts and that a CUDA graph can run is laid out as a decode:
+        step that only verifies drafts and that a decode CUDA graph can run is laid out as one:
         a row per token, each a single query over its own causal prefix."""
         q_lens, kv_lens, table_rows = num_new, end, rows
         if num_drafts is not None and num_new.max() <= num_drafts.max() + 1 \

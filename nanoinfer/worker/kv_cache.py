@@ -3,9 +3,9 @@
 The cache is one tensor [2 (K, V), layers, blocks, block_size, kv_heads, head_dim]; each
 attention layer gets views of its own slice (`k_cache`, `v_cache`). Its number of blocks is
 `num_kvcache_blocks` when given; on the CPU, what `cpu_kvcache_space_gb` holds; on a GPU, what is
-left of `gpu_memory_utilization` after the weights and the activation peak of a profiling
-forward at the largest step (`max_num_batched_tokens` tokens). Every rank's cache must hold the
-blocks the scheduler hands out, so the ranks take the smallest count.
+left of `gpu_memory_utilization` after the weights, the activation peak of a profiling
+forward at the largest step (`max_num_batched_tokens` tokens) and the CUDA graphs' memory. Every
+rank's cache must hold the blocks the scheduler hands out, so the ranks take the smallest count.
 """
 import torch
 import torch.distributed as dist
@@ -14,6 +14,7 @@ from nanoinfer.attention import AttentionMetadata, set_forward_context
 from nanoinfer.config import Config
 from nanoinfer.layers.sampler import SamplingMetadata
 from nanoinfer.utils import cdiv
+from nanoinfer.worker.cuda_graph import graph_sizes
 
 
 def check_kv_cache_holds_max_model_len(config: Config, kv_cache_bytes: float | None,
@@ -96,4 +97,9 @@ def profile_free_memory(runner) -> float:
     del hidden_states, logits
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    return total * config.gpu_memory_utilization - (total - free) - peak
+    # The CUDA graphs, captured later, keep their own pool: the activations of their largest
+    # forward, taken as this one's in proportion to the tokens (an overestimate: no logits).
+    decode_sizes, prefill_sizes = graph_sizes(config)
+    graphs = 0 if config.enforce_eager else \
+        peak * min(1, max([decode_sizes[-1], *prefill_sizes]) / num_tokens)
+    return total * config.gpu_memory_utilization - (total - free) - peak - graphs

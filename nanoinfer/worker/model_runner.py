@@ -13,7 +13,8 @@ all it is told, so a worker in another process can run the same step from the sa
 The KV cache is one tensor [2 (K, V), layers, blocks, block_size, kv_heads, head_dim]; each
 attention layer gets a view of its own slice. On a GPU its size is what is left of
 `gpu_memory_utilization` after the weights and the activation peak of a profiling forward at
-the largest step (`max_num_batched_tokens` tokens); pure-decode steps then replay CUDA graphs.
+the largest step (`max_num_batched_tokens` tokens) and the CUDA graphs' memory; decode steps and
+small prefill steps then replay CUDA graphs.
 Nothing here waits for the GPU: the sampled tokens come back through an
 `AsyncModelRunnerOutput`, and the next step's decodes take theirs on the device.
 
@@ -144,7 +145,7 @@ class ModelRunner:
         return executed
 
     def run_model(self, step: StepInputs) -> torch.Tensor | None:
-        """The forward: a CUDA graph's replay for a pure-decode step, else eager. A pipeline
+        """The forward: a CUDA graph's replay where one holds the step, else eager. A pipeline
         stage after the first receives its input first; one before the last sends its output
         on (and returns None)."""
         intermediate = self.intermediate(len(step.input_ids))
