@@ -40,12 +40,18 @@ def graph_sizes(config: Config) -> tuple[list[int], list[int]]:
         [t for t in PREFILL_TOKENS if t <= config.max_num_batched_tokens]
 
 
+def max_graph_tokens(config: Config) -> int:
+    """The most tokens any graph holds (the static buffers' length)."""
+    decode_sizes, prefill_sizes = graph_sizes(config)
+    return max([decode_sizes[-1], *prefill_sizes])
+
+
 class CUDAGraphRunner:
 
     def __init__(self, model: torch.nn.Module, config: Config, device: torch.device,
                  first_stage: bool = True, last_stage: bool = True):
         self.batch_sizes, self.prefill_sizes = graph_sizes(config)
-        n = max([self.batch_sizes[-1], *self.prefill_sizes])   # tokens
+        n = max_graph_tokens(config)
         seqs = max(self.batch_sizes[-1], PREFILL_SEQS)
         hidden, dtype = config.hf_config.hidden_size, config.torch_dtype
 

@@ -14,7 +14,7 @@ from nanoinfer.attention import AttentionMetadata, set_forward_context
 from nanoinfer.config import Config
 from nanoinfer.layers.sampler import SamplingMetadata
 from nanoinfer.utils import cdiv
-from nanoinfer.worker.cuda_graph import graph_sizes
+from nanoinfer.worker.cuda_graph import max_graph_tokens
 
 
 def check_kv_cache_holds_max_model_len(config: Config, kv_cache_bytes: float | None,
@@ -99,7 +99,5 @@ def profile_free_memory(runner) -> float:
     free, total = torch.cuda.mem_get_info(device)
     # The CUDA graphs, captured later, keep their own pool: the activations of their largest
     # forward, taken as this one's in proportion to the tokens (an overestimate: no logits).
-    decode_sizes, prefill_sizes = graph_sizes(config)
-    graphs = 0 if config.enforce_eager else \
-        peak * min(1, max([decode_sizes[-1], *prefill_sizes]) / num_tokens)
+    graphs = 0 if config.enforce_eager else peak * min(1, max_graph_tokens(config) / num_tokens)
     return total * config.gpu_memory_utilization - (total - free) - peak - graphs
