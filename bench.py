@@ -19,7 +19,10 @@ tokens, bookkeeping) and the GPU's busy time (CUDA events), averaged over all st
 Other modes: `--mode latency` (batch 1 and 8, fixed lengths: time to first token, time per
 output token, end-to-end; medians of several runs) and `--mode kernels` (the attention kernels
 alone: decode bandwidth, prefill TFLOP/s, next to torch's scaled_dot_product_attention; then
-decode's small matmuls, the gemv kernel next to cuBLAS).
+decode's small matmuls, the gemv kernel next to cuBLAS), and `--mode profile` (where the GPU's
+time goes: torch.profiler's kernel times by kind over one run of the workload, against each
+part's bound, then over batch-1 and batch-8 decode steps, against the step's wall time and its
+CUDA graph replayed alone; `--model-shape` picks the shape).
 
 Speculative decoding: `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`
 (vLLM's keys), and `--workload copy` for prompts that ask a real model (`--model`) to rewrite a
@@ -35,7 +38,8 @@ same workload through the OpenAI-compatible server (one started with the same mo
 options, or the one at URL) as streamed /v1/completions requests with Poisson arrivals, and
 reports request and output throughput, time to first token, time per output token, inter-token
 latency and end-to-end latency (median and p99), and goodput under an SLO (`--slo-ttft-ms`,
-`--slo-tpot-ms`). Each rate's run starts its prompts with a token of its own, so that no run
+`--slo-tpot-ms`), and from the server's /metrics its engine steps and mean queue time in the
+run. Each rate's run starts its prompts with a token of its own, so that no run
 finds another's blocks in the prefix cache. The client is the standard library's asyncio.
 
 `--workload fixed --input-len 4096 --output-len 256` gives every request those lengths;
@@ -58,6 +62,7 @@ import multiprocessing
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import socket
@@ -410,6 +415,22 @@ def start_disaggregated(model: str, engine_kwargs: dict) -> tuple[list[subproces
     return [prefill, decode, proxy], url
 
 
+def server_counts(url: str) -> dict[str, float]:
+    """The server's engine steps and its requests' summed queue time, from its /metrics (empty
+    where it has none)."""
+    counts = {}
+    try:
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    except OSError:
+        return counts
+    for line in text.splitlines():
+        key, _, value = line.rpartition(" ")
+        name = key.split("{")[0].removeprefix("vllm:")
+        if name in ("iteration_tokens_total_count", "request_queue_time_seconds_sum"):
+            counts[name] = counts.get(name, 0) + float(value)
+    return counts
+
+
 def serve(url: str, prompts: list[list[int]], params: list[SamplingParams], rates: list[float],
           max_concurrency: int | None, slo_ttft: float, slo_tpot: float) -> None:
     """Each rate in turn: the workload's requests arrive as a Poisson process (all at once for
@@ -434,7 +455,9 @@ def serve(url: str, prompts: list[list[int]], params: list[SamplingParams], rate
         return results, time.perf_counter() - start
 
     for i, rate in enumerate([float("inf")] + rates):   # first a warm-up (kernels compile at first use)
+        before = server_counts(url)
         results, elapsed = asyncio.run(run(rate, 10_000 + i))   # its own first token: no prefix-cache hits
+        counts = {k: v - before.get(k, 0) for k, v in server_counts(url).items()}
         failed = [r for r in results if r["error"] or not r["chunks"] or not r["usage"]]
         if failed:
             raise SystemExit(f"{len(failed)} requests failed, the first with: {failed[0]['error']}")
@@ -454,6 +477,11 @@ def serve(url: str, prompts: list[list[int]], params: list[SamplingParams], rate
               f"{sum(tokens) / elapsed:,.0f} output tok/s; median / p99: TTFT {ms(ttft)}, TPOT {ms(tpot)}, "
               f"ITL {ms(itl)}, E2E {ms(e2e)}; goodput (TTFT <= {1e3 * slo_ttft:g} ms, TPOT <= "
               f"{1e3 * slo_tpot:g} ms) {good / elapsed:.2f} req/s ({good / len(results):.0%} of requests)", flush=True)
+        if counts.get("iteration_tokens_total_count"):   # (a server of nanoinfer's, not the proxy)
+            steps = counts["iteration_tokens_total_count"]
+            print(f"  the server: {steps:,.0f} engine steps ({1e3 * elapsed / steps:.2f} ms of wall each), "
+                  f"mean queue time {1e3 * counts.get('request_queue_time_seconds_sum', 0) / len(results):,.0f} ms; "
+                  f"the last first token {1e3 * max(ttft):,.0f} ms after its request", flush=True)
 
 
 def kernels() -> None:
@@ -587,6 +615,99 @@ def small_matmuls() -> None:
     print(f"linear, all of the above: cuBLAS {total['cuBLAS']:.0f} µs, gemv {total['gemv']:.0f} µs")
 
 
+KERNEL_KINDS = [   # (kind, a pattern of kernel names), the first that matches counts
+    ("gemv (ours)", r"gemv"), ("attention, decode", r"decode_(attention|reduce)"),
+    ("attention, prefill", r"prefill_attention"), ("rms_norm", r"rms_norm"), ("rotary + q/k-norm", r"rotary"),
+    ("store_kv", r"store_kv"), ("silu_and_mul", r"silu_and_mul"),
+    ("matmul (cuBLAS)", r"gemm|nvjet|cutlass|xmma|splitK|sm90|cublas"),
+    ("sampling", r"gumbel|softmax|argmax|topk|sort|exponential|multinomial|reduce_kernel"),
+    ("memcpy / memset", r"[Mm]emcpy|[Mm]emset"), ("other", r"")]
+
+
+def kernel_times(prof) -> dict[str, tuple[int, float]]:
+    """{kernel name: (calls, µs in all)} of the GPU kernels a torch.profiler run saw."""
+    return {e.key: (e.count, e.device_time_total) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total}
+
+
+def print_kernels(times: dict[str, tuple[int, float]], per: float, unit: str, label: str) -> float:
+    """Kernel time by kind (KERNEL_KINDS) and the top kernels, per `per` (runs or steps)."""
+    by_kind, calls = defaultdict(float), defaultdict(int)
+    for name, (n, us) in times.items():
+        kind = next(k for k, pattern in KERNEL_KINDS if re.search(pattern, name))
+        by_kind[kind], calls[kind] = by_kind[kind] + us, calls[kind] + n
+    total = sum(by_kind.values())
+    print(f"{label}: GPU kernel time by kind, {unit} (total {total / per:,.1f})")
+    for kind, us in sorted(by_kind.items(), key=lambda x: -x[1]):
+        print(f"  {kind:<20} {us / per:10,.1f} {us / total:6.1%}  ({calls[kind] / per:,.0f} kernels)")
+    print("  the longest kernels in all:")
+    for name, (n, us) in sorted(times.items(), key=lambda x: -x[1][1])[:8]:
+        print(f"    {us / per:10,.1f} ({n / per:,.0f} calls) {name[:90]}")
+    return total / per
+
+
+def profile(llm: LLM, prompts, params, bandwidth: float, peak: float) -> None:
+    """Where the GPU's time goes (torch.profiler, kernels grouped by kind): over the workload's
+    run, against each part's bound; then over batch-1 and batch-8 decode steps, against the
+    step's wall time and its CUDA graph replayed alone."""
+    from torch.profiler import ProfilerActivity
+    import triton.testing
+    from torch.profiler import profile as torch_profile
+    engine, walls = llm.llm_engine, []
+    for _ in range(2):   # the first warms up; the second is timed without the profiler
+        llm.reset_prefix_cache()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+    llm.reset_prefix_cache()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    total = print_kernels(kernel_times(prof), 1e6, "s per run", "the workload")
+    cfg = engine.config.hf_config
+    matmul_params, per_layer, kv_per_token, _ = model_sizes(cfg)
+    lens_in, lens_out = [len(p) for p in prompts], [p.max_tokens for p in params]
+    dtype_bytes = engine.config.torch_dtype.itemsize
+    matmul_flops = (2 * cfg.num_hidden_layers * per_layer * (sum(lens_in) + sum(lens_out))
+                    + 2 * cfg.vocab_size * cfg.hidden_size * sum(lens_out))
+    kv_bytes = sum(p * o + o * (o - 1) // 2 for p, o in zip(lens_in, lens_out)) * kv_per_token * dtype_bytes
+    print(f"kernels {total:.3f} s of an unprofiled run's {walls[-1]:.3f} s; bounds: the matmuls' FLOPs "
+          f"{matmul_flops / peak:.3f} s, the weights once per decode step "
+          f"{max(lens_out) * matmul_params * dtype_bytes / bandwidth:.3f} s, the K/V reads {kv_bytes / bandwidth:.3f} s")
+    graphs = engine.model_executor.graph_runner.graphs
+    for batch in (1, 8):
+        decode_steps = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(f"profile-{batch}-{i}", [(7 * t + i) % 5000 + 10 for t in range(512)], decode_steps)
+        for _ in range(60):   # the prefill and some decode steps
+            engine.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(100):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e4   # µs per step
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(100):
+                engine.step()
+            torch.cuda.synchronize()
+        while engine.has_unfinished_requests():
+            engine.step()
+        kernels_us = print_kernels(kernel_times(prof), 100, "µs per step", f"batch {batch}, decode steps")
+        graph_us = 1e3 * triton.testing.do_bench(graphs[batch].replay, return_mode="median")
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                graphs[batch].replay()
+            torch.cuda.synchronize()
+        in_graph = sum(us for _, us in kernel_times(prof).values()) / 20
+        print(f"batch {batch}: a step's wall {wall:.0f} µs (unprofiled), its kernels {kernels_us:.0f} µs (the GPU "
+              f"idle {wall - kernels_us:.0f} µs); its forward's CUDA graph alone {graph_us:.0f} µs, of which "
+              f"kernels {in_graph:.0f} and gaps between them {graph_us - in_graph:.0f}; kernels outside the "
+              f"graph (LM head, sampling, copies) {kernels_us - in_graph:.0f} µs")
+
+
 def main():
     parser = argparse.ArgumentParser(description="nanoinfer throughput benchmark")
     parser.add_argument("--model", default=None, help="HF model folder (default: --model-shape, random weights)")
@@ -601,7 +722,8 @@ def main():
     parser.add_argument("--no-async-scheduling", action="store_true", help="wait for each step's tokens")
     parser.add_argument("--runs", type=int, default=None, help="timed runs of the workload (default: 3 on a GPU)")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
-    parser.add_argument("--mode", choices=["throughput", "latency", "kernels", "serve"], default="throughput")
+    parser.add_argument("--mode", default="throughput",
+                        choices=["throughput", "latency", "kernels", "serve", "profile"])
     parser.add_argument("--input-len", type=int, default=512, help="latency mode: prompt length")
     parser.add_argument("--output-len", type=int, default=256, help="latency mode: output length")
     parser.add_argument("--speculative-config", type=json.loads, default=None, help="as LLM's, in JSON")
@@ -625,9 +747,9 @@ def main():
         args.runs = 3 if torch.cuda.is_available() else 1
 
     on_gpu = torch.cuda.is_available()
+    if args.mode in ("kernels", "profile") and not on_gpu:
+        raise SystemExit(f"--mode {args.mode} needs a CUDA GPU")
     if args.mode == "kernels":
-        if not on_gpu:
-            raise SystemExit("--mode kernels needs a CUDA GPU")
         return kernels()
     if not on_gpu and args.mode == "latency":
         print("No CUDA device: latency scaled down to 64 prompt and 8 output tokens.")
@@ -700,6 +822,8 @@ def main():
                 schema = json.load(f)
         guided = GuidedDecodingParams(json=schema)
         params = [dataclasses.replace(p, guided_decoding=guided) for p in params]
+    if args.mode == "profile":
+        return profile(llm, prompts, params, bandwidth, peak)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
     output_lens = [p.max_tokens for p in params]
     if args.workload == "copy":   # the tokens a run makes (greedy: the same in every run)
