@@ -416,9 +416,9 @@ def start_disaggregated(model: str, engine_kwargs: dict) -> tuple[list[subproces
 
 
 def server_counts(url: str) -> dict[str, float]:
-    """The server's engine steps and its requests' summed queue time, from its /metrics (empty
-    where it has none)."""
-    counts = {}
+    """The server's engine steps (summed over its engine cores, counted too) and its requests'
+    summed queue time, from its /metrics (none where it has none)."""
+    counts = {"engine cores": 0}
     try:
         text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     except OSError:
@@ -428,13 +428,16 @@ def server_counts(url: str) -> dict[str, float]:
         name = key.split("{")[0].removeprefix("vllm:")
         if name in ("iteration_tokens_total_count", "request_queue_time_seconds_sum"):
             counts[name] = counts.get(name, 0) + float(value)
+            counts["engine cores"] += name == "iteration_tokens_total_count"
     return counts
 
 
 def serve(url: str, prompts: list[list[int]], params: list[SamplingParams], rates: list[float],
-          max_concurrency: int | None, slo_ttft: float, slo_tpot: float) -> None:
+          max_concurrency: int | None, slo_ttft: float, slo_tpot: float, server_steps: bool = True) -> None:
     """Each rate in turn: the workload's requests arrive as a Poisson process (all at once for
-    inf), at most `max_concurrency` of them in flight; the tokens come back streamed."""
+    inf), at most `max_concurrency` of them in flight; the tokens come back streamed. With
+    `server_steps`, also the server's engine steps and queue time (not through the disaggregated
+    proxy, which forwards /metrics to the decode server alone)."""
     address = urllib.parse.urlsplit(url)
     host, port = address.hostname, address.port or 80
 
@@ -477,11 +480,13 @@ def serve(url: str, prompts: list[list[int]], params: list[SamplingParams], rate
               f"{sum(tokens) / elapsed:,.0f} output tok/s; median / p99: TTFT {ms(ttft)}, TPOT {ms(tpot)}, "
               f"ITL {ms(itl)}, E2E {ms(e2e)}; goodput (TTFT <= {1e3 * slo_ttft:g} ms, TPOT <= "
               f"{1e3 * slo_tpot:g} ms) {good / elapsed:.2f} req/s ({good / len(results):.0%} of requests)", flush=True)
-        if counts.get("iteration_tokens_total_count"):   # (a server of nanoinfer's, not the proxy)
-            steps = counts["iteration_tokens_total_count"]
-            print(f"  the server: {steps:,.0f} engine steps ({1e3 * elapsed / steps:.2f} ms of wall each), "
-                  f"mean queue time {1e3 * counts.get('request_queue_time_seconds_sum', 0) / len(results):,.0f} ms; "
-                  f"the last first token {1e3 * max(ttft):,.0f} ms after its request", flush=True)
+        if server_steps and counts.get("iteration_tokens_total_count"):
+            cores = max(1, before["engine cores"])
+            steps = counts["iteration_tokens_total_count"] / cores
+            queue = counts.get("request_queue_time_seconds_sum", 0) / len(results)
+            print(f"  the server: {steps:,.0f} engine steps per engine core ({1e3 * elapsed / steps:.2f} ms "
+                  f"of wall each), mean queue time {1e3 * queue:,.0f} ms; the last first token "
+                  f"{1e3 * max(ttft):,.0f} ms after its request", flush=True)
 
 
 def kernels() -> None:
@@ -619,8 +624,8 @@ KERNEL_KINDS = [   # (kind, a pattern of kernel names), the first that matches c
     ("gemv (ours)", r"gemv"), ("attention, decode", r"decode_(attention|reduce)"),
     ("attention, prefill", r"prefill_attention"), ("rms_norm", r"rms_norm"), ("rotary + q/k-norm", r"rotary"),
     ("store_kv", r"store_kv"), ("silu_and_mul", r"silu_and_mul"),
-    ("matmul (cuBLAS)", r"gemm|nvjet|cutlass|xmma|splitK|sm90|cublas"),
-    ("sampling", r"gumbel|softmax|argmax|topk|sort|exponential|multinomial|reduce_kernel"),
+    ("matmul (cuBLAS)", r"gemm|nvjet|cutlass|xmma|splitK|Kernel2|sm90|cublas"),
+    ("sampling", r"gumbel|softmax|argmax|topk|sort|exponential|multinomial|reduce_kernel|max_kernel"),
     ("memcpy / memset", r"[Mm]emcpy|[Mm]emset"), ("other", r"")]
 
 
@@ -630,30 +635,38 @@ def kernel_times(prof) -> dict[str, tuple[int, float]]:
             if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total}
 
 
-def print_kernels(times: dict[str, tuple[int, float]], per: float, unit: str, label: str) -> float:
-    """Kernel time by kind (KERNEL_KINDS) and the top kernels, per `per` (runs or steps)."""
+def print_kernels(times: dict[str, tuple[int, float]], per: int, label: str, seconds: bool = False
+                  ) -> float:
+    """Kernel time by kind (KERNEL_KINDS) and the longest kernels, each per one of `per` (runs or
+    steps), in µs (in s with `seconds`); returns the total, in the same unit."""
     by_kind, calls = defaultdict(float), defaultdict(int)
     for name, (n, us) in times.items():
         kind = next(k for k, pattern in KERNEL_KINDS if re.search(pattern, name))
         by_kind[kind], calls[kind] = by_kind[kind] + us, calls[kind] + n
+    scale, unit = (1e-6 / per, ".3f") if seconds else (1 / per, ",.1f")
     total = sum(by_kind.values())
-    print(f"{label}: GPU kernel time by kind, {unit} (total {total / per:,.1f})")
+    print(f"{label}: GPU kernel time by kind, {'s' if seconds else 'µs'} per "
+          f"{'run' if per == 1 else 'step'} (total {total * scale:{unit}})")
     for kind, us in sorted(by_kind.items(), key=lambda x: -x[1]):
-        print(f"  {kind:<20} {us / per:10,.1f} {us / total:6.1%}  ({calls[kind] / per:,.0f} kernels)")
-    print("  the longest kernels in all:")
+        print(f"  {kind:<20} {us * scale:10{unit}} {us / total:6.1%}  ({calls[kind] / per:,.0f} kernels)")
+    print("  the longest kernels:")
     for name, (n, us) in sorted(times.items(), key=lambda x: -x[1][1])[:8]:
-        print(f"    {us / per:10,.1f} ({n / per:,.0f} calls) {name[:90]}")
-    return total / per
+        print(f"    {us * scale:10{unit}} ({n / per:,.0f} calls) {name[:80]}")
+    return total * scale
 
 
 def profile(llm: LLM, prompts, params, bandwidth: float, peak: float) -> None:
     """Where the GPU's time goes (torch.profiler, kernels grouped by kind): over the workload's
     run, against each part's bound; then over batch-1 and batch-8 decode steps, against the
     step's wall time and its CUDA graph replayed alone."""
-    from torch.profiler import ProfilerActivity
     import triton.testing
+    from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     engine, walls = llm.llm_engine, []
+    graphs = getattr(getattr(engine.model_executor, "graph_runner", None), "graphs", {})
+    if not {1, 8} <= set(graphs):
+        raise SystemExit("--mode profile needs the decode CUDA graphs of batch 1 and 8: one GPU (--tp 1), "
+                         "no --enforce-eager, --max-num-seqs >= 8")
     for _ in range(2):   # the first warms up; the second is timed without the profiler
         llm.reset_prefix_cache()
         torch.cuda.synchronize()
@@ -665,22 +678,24 @@ def profile(llm: LLM, prompts, params, bandwidth: float, peak: float) -> None:
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
-    total = print_kernels(kernel_times(prof), 1e6, "s per run", "the workload")
+    total = print_kernels(kernel_times(prof), 1, "the workload", seconds=True)
     cfg = engine.config.hf_config
     matmul_params, per_layer, kv_per_token, _ = model_sizes(cfg)
     lens_in, lens_out = [len(p) for p in prompts], [p.max_tokens for p in params]
     dtype_bytes = engine.config.torch_dtype.itemsize
     matmul_flops = (2 * cfg.num_hidden_layers * per_layer * (sum(lens_in) + sum(lens_out))
                     + 2 * cfg.vocab_size * cfg.hidden_size * sum(lens_out))
-    kv_bytes = sum(p * o + o * (o - 1) // 2 for p, o in zip(lens_in, lens_out)) * kv_per_token * dtype_bytes
-    print(f"kernels {total:.3f} s of an unprofiled run's {walls[-1]:.3f} s; bounds: the matmuls' FLOPs "
-          f"{matmul_flops / peak:.3f} s, the weights once per decode step "
-          f"{max(lens_out) * matmul_params * dtype_bytes / bandwidth:.3f} s, the K/V reads {kv_bytes / bandwidth:.3f} s")
-    graphs = engine.model_executor.graph_runner.graphs
+    kv_reads = sum(p * o + o * (o - 1) // 2 for p, o in zip(lens_in, lens_out))
+    weight_bytes = max(lens_out) * matmul_params * dtype_bytes
+    print(f"kernels {total:.3f} s of an unprofiled run's {walls[-1]:.3f} s; bounds: the matmuls' "
+          f"FLOPs {matmul_flops / peak:.3f} s, the weights once per decode step "
+          f"{weight_bytes / bandwidth:.3f} s, the K/V reads "
+          f"{kv_reads * kv_per_token * dtype_bytes / bandwidth:.3f} s")
     for batch in (1, 8):
         decode_steps = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
         for i in range(batch):
-            engine.add_request(f"profile-{batch}-{i}", [(7 * t + i) % 5000 + 10 for t in range(512)], decode_steps)
+            prompt = [(7 * t + i) % 5000 + 10 for t in range(512)]
+            engine.add_request(f"profile-{batch}-{i}", prompt, decode_steps)
         for _ in range(60):   # the prefill and some decode steps
             engine.step()
         torch.cuda.synchronize()
@@ -695,17 +710,18 @@ def profile(llm: LLM, prompts, params, bandwidth: float, peak: float) -> None:
             torch.cuda.synchronize()
         while engine.has_unfinished_requests():
             engine.step()
-        kernels_us = print_kernels(kernel_times(prof), 100, "µs per step", f"batch {batch}, decode steps")
+        kernels_us = print_kernels(kernel_times(prof), 100, f"batch {batch}, decode steps")
         graph_us = 1e3 * triton.testing.do_bench(graphs[batch].replay, return_mode="median")
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
                 graphs[batch].replay()
             torch.cuda.synchronize()
         in_graph = sum(us for _, us in kernel_times(prof).values()) / 20
-        print(f"batch {batch}: a step's wall {wall:.0f} µs (unprofiled), its kernels {kernels_us:.0f} µs (the GPU "
-              f"idle {wall - kernels_us:.0f} µs); its forward's CUDA graph alone {graph_us:.0f} µs, of which "
-              f"kernels {in_graph:.0f} and gaps between them {graph_us - in_graph:.0f}; kernels outside the "
-              f"graph (LM head, sampling, copies) {kernels_us - in_graph:.0f} µs")
+        print(f"batch {batch}: a step's wall {wall:.0f} µs (unprofiled), its kernels {kernels_us:.0f} µs "
+              f"(no kernel running: {wall - kernels_us:.0f} µs); its forward's CUDA graph alone "
+              f"{graph_us:.0f} µs, of which kernels {in_graph:.0f} and gaps between them "
+              f"{graph_us - in_graph:.0f}; kernels outside the graph (LM head, sampling, copies) "
+              f"{kernels_us - in_graph:.0f} µs")
 
 
 def main():
@@ -789,7 +805,8 @@ def main():
             procs = [proc]
         try:
             return serve(url, prompts, params, [float(r) for r in args.request_rate.split(",")],
-                         args.max_concurrency, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+                         args.max_concurrency, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3,
+                         server_steps=not args.disagg)
         finally:
             for proc in reversed(procs):
                 proc.send_signal(signal.SIGINT)
