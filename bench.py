@@ -153,20 +153,25 @@ def model_sizes(cfg) -> tuple[int, int, int, int]:
     return matmul_params, per_layer, 2 * cfg.num_hidden_layers * kv, head_dim
 
 
-def roofline(cfg, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int) -> tuple[float, float]:
-    """(bytes that must move, FLOPs that must run) for the workload, all sequences decoding together."""
+def roofline_parts(cfg, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int) -> dict[str, float]:
+    """What the workload must move and run, all sequences decoding together: the weights' bytes
+    (read once per decode step), the K/V bytes (output token j of a sequence attends to prompt + j
+    keys), the matmuls' FLOPs (LM head once per sampled token) and attention's FLOPs."""
     matmul_params, per_layer, kv_per_token, head_dim = model_sizes(cfg)
-    kv_bytes_per_token = kv_per_token * dtype_bytes
-    # each decode step reads all weights once; output token j of a sequence attends to prompt + j keys
-    decode_steps = max(output_lens)
     kv_reads = sum(p * o + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens))
-    bytes_moved = decode_steps * matmul_params * dtype_bytes + kv_reads * kv_bytes_per_token
     prefill_keys = sum(p * (p + 1) // 2 for p in prompt_lens)
-    attn_flops = 4 * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers * (prefill_keys + kv_reads)
-    flops = (2 * cfg.num_hidden_layers * per_layer * (sum(prompt_lens) + sum(output_lens))
-             + 2 * cfg.vocab_size * cfg.hidden_size * sum(output_lens)   # LM head, once per sampled token
-             + attn_flops)
-    return bytes_moved, flops
+    return {"weight bytes": max(output_lens) * matmul_params * dtype_bytes,
+            "kv bytes": kv_reads * kv_per_token * dtype_bytes,
+            "matmul flops": (2 * cfg.num_hidden_layers * per_layer * (sum(prompt_lens) + sum(output_lens))
+                             + 2 * cfg.vocab_size * cfg.hidden_size * sum(output_lens)),
+            "attention flops": 4 * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers
+                               * (prefill_keys + kv_reads)}
+
+
+def roofline(cfg, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int) -> tuple[float, float]:
+    """(bytes that must move, FLOPs that must run) for the workload."""
+    parts = roofline_parts(cfg, prompt_lens, output_lens, dtype_bytes)
+    return parts["weight bytes"] + parts["kv bytes"], parts["matmul flops"] + parts["attention flops"]
 
 
 def measure_gpu_limits() -> tuple[float, float, str]:
@@ -679,18 +684,11 @@ def profile(llm: LLM, prompts, params, bandwidth: float, peak: float) -> None:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
     total = print_kernels(kernel_times(prof), 1, "the workload", seconds=True)
-    cfg = engine.config.hf_config
-    matmul_params, per_layer, kv_per_token, _ = model_sizes(cfg)
-    lens_in, lens_out = [len(p) for p in prompts], [p.max_tokens for p in params]
-    dtype_bytes = engine.config.torch_dtype.itemsize
-    matmul_flops = (2 * cfg.num_hidden_layers * per_layer * (sum(lens_in) + sum(lens_out))
-                    + 2 * cfg.vocab_size * cfg.hidden_size * sum(lens_out))
-    kv_reads = sum(p * o + o * (o - 1) // 2 for p, o in zip(lens_in, lens_out))
-    weight_bytes = max(lens_out) * matmul_params * dtype_bytes
+    parts = roofline_parts(engine.config.hf_config, [len(p) for p in prompts], [p.max_tokens for p in params],
+                           engine.config.torch_dtype.itemsize)
     print(f"kernels {total:.3f} s of an unprofiled run's {walls[-1]:.3f} s; bounds: the matmuls' "
-          f"FLOPs {matmul_flops / peak:.3f} s, the weights once per decode step "
-          f"{weight_bytes / bandwidth:.3f} s, the K/V reads "
-          f"{kv_reads * kv_per_token * dtype_bytes / bandwidth:.3f} s")
+          f"FLOPs {parts['matmul flops'] / peak:.3f} s, the weights once per decode step "
+          f"{parts['weight bytes'] / bandwidth:.3f} s, the K/V reads {parts['kv bytes'] / bandwidth:.3f} s")
     for batch in (1, 8):
         decode_steps = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
         for i in range(batch):

@@ -109,13 +109,10 @@ class CUDAGraphRunner:
             return next(t for t in self.prefill_sizes if t >= num_tokens), False
         return None
 
-    def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        return self.graph_size(meta, num_tokens) is not None
-
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
-        n, s = len(input_ids), len(meta.context_lens)
-        size, decode = self.graph_size(meta, n)
+    def run(self, graph: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Replays the graph `graph_size` chose for this step, its inputs copied in first."""
+        (size, decode), n, s = graph, len(input_ids), len(meta.context_lens)
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
         self.slot_mapping[:n] = meta.slot_mapping

@@ -152,8 +152,9 @@ class ModelRunner:
         for t in intermediate or ():   # (the previous stage's output)
             self.pp_group.recv_prev(t)
         meta = step.attn_metadata
-        if self.graph_runner is not None and self.graph_runner.can_run(meta, len(step.input_ids)):
-            hidden_states = self.graph_runner.run(step.input_ids, step.positions, meta,
+        graph = self.graph_runner and self.graph_runner.graph_size(meta, len(step.input_ids))
+        if graph:
+            hidden_states = self.graph_runner.run(graph, step.input_ids, step.positions, meta,
                                                   intermediate)
         else:
             with set_forward_context(meta):
