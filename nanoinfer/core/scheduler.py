@@ -29,7 +29,7 @@ drafts (`tokens_to_schedule`, `schedule_drafts`, `settle_drafts`, `next_drafts`;
 write `lookahead` slots past the step, which every allocation includes), a KV connector's blocks
 (`external_blocks`, `load_external`, `save_external`, `update_prompts`), grammars (`add_grammar`,
 `can_admit`; `grammar.accept` as tokens come), prompt logprobs (`computed_blocks`,
-`update_prompts`). Pipeline parallelism (P stages, core/engine_core.py) keeps P steps in flight
+`update_prompts`). Pipeline parallelism (P stages, engine/core.py) keeps P steps in flight
 over disjoint sequences: a sequence with a token in flight is passed over (`can_schedule`), and a
 step takes at most `max_seqs_per_step` = max_num_seqs / P of them.
 """

@@ -44,7 +44,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 
 from nanoinfer.config import Config, check_int
-from nanoinfer.core.engine_core import EngineCore
+from nanoinfer.engine.core import EngineCore
 from nanoinfer.core.messages import EngineCoreRequest, SchedulerStats
 from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.executor.multiproc_executor import stop_processes

@@ -1,7 +1,7 @@
 """The offline engine: a front end (tokenize, validate, detokenize) over an engine core in this
 process, one step at a time.
 
-`step()` runs one step of the core (core/engine_core.py: schedule, run the model, sample, apply
+`step()` runs one step of the core (engine/core.py: schedule, run the model, sample, apply
 the token stops) and turns the token ids it returns into each touched request's output
 (output_processor.py: detokenize, stop strings). Requests come in through `add_request`
 (input_processor.py validates them first).
@@ -18,7 +18,7 @@ tensor parallelism it may have cut a message to the workers in half, so it stops
 from collections.abc import Iterable
 
 from nanoinfer.config import Config
-from nanoinfer.core.engine_core import EngineCore
+from nanoinfer.engine.core import EngineCore
 from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.engine.front_end import FrontEnd
 from nanoinfer.engine.input_processor import PromptType

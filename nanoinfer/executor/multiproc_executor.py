@@ -23,7 +23,7 @@ second queue, from a thread, once the GPU has them, so that it is already launch
 With pipeline parallelism every rank still gets every call, and each stage's ranks work as above
 on their own layers, the hidden states going from stage to stage point to point (model_runner.py);
 the driver, which samples and answers, is the last stage's first rank. The engine keeps up to one
-step in flight per stage, over disjoint sequences (core/engine_core.py), so a stage starts the next
+step in flight per stage, over disjoint sequences (engine/core.py), so a stage starts the next
 step while the one after it still runs the last.
 
 Lifecycle. Workers are started with the spawn method and exit on "shutdown" (`shutdown()`, called
