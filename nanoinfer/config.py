@@ -207,7 +207,8 @@ class KVTransferConfig:
         shared = spec.kv_connector == "SharedStorageConnector"
         require(shared or spec.kv_connector == "P2pConnector", "kv_connector must be "
                 f"'SharedStorageConnector' or 'P2pConnector', got {spec.kv_connector!r}")
-        roles = ("kv_producer", "kv_consumer") + ("kv_both",) * shared
+        roles = ("kv_producer", "kv_consumer", "kv_both") if shared else ("kv_producer",
+                                                                         "kv_consumer")
         require(spec.kv_role in roles,
                 f"kv_role must be one of {roles} for {spec.kv_connector}, got {spec.kv_role!r}")
         need, kind = ("shared_storage_path", str) if shared else ("kv_port", int)

@@ -129,8 +129,8 @@ class EngineCoreOutput:
     (if asked for) and when it was first scheduled."""
     seq_id: int
     new_token_ids: list[int]
-    new_logprobs: list[tuple[list[int], list[float], int]] | None
     num_cached_tokens: int
+    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_draft_tokens: int = 0

@@ -23,15 +23,11 @@ sampled tokens and applies the token-level stops (EOS, stop_token_ids, max_token
 max_model_len) to each in order; a token sampled for a sequence that stopped (or was aborted)
 meanwhile is dropped.
 
-That is the whole base path. The optional mechanisms enter it through named calls, whose bodies
-are in scheduler_hooks.py (each does nothing without its mechanism): speculative decoding's
-drafts (`tokens_to_schedule`, `schedule_drafts`, `settle_drafts`, `next_drafts`; EAGLE's also
-write `lookahead` slots past the step, which every allocation includes), a KV connector's blocks
-(`external_blocks`, `load_external`, `save_external`, `update_prompts`), grammars (`add_grammar`,
-`can_admit`; `grammar.accept` as tokens come), prompt logprobs (`computed_blocks`,
-`update_prompts`). Pipeline parallelism (P stages, engine/core.py) keeps P steps in flight
-over disjoint sequences: a sequence with a token in flight is passed over (`can_schedule`), and a
-step takes at most `max_seqs_per_step` = max_num_seqs / P of them.
+That is the whole base path. The optional mechanisms enter it through named calls whose bodies,
+and the state only they use, are in scheduler_hooks.py (each does nothing without its mechanism):
+speculative decoding's drafts, a KV connector's blocks, grammars, prompt logprobs. Pipeline
+parallelism (P stages, engine/core.py) keeps P steps in flight over disjoint sequences: one with a
+token in flight is passed over (`can_schedule`), and a step takes at most `max_seqs_per_step`.
 """
 import time
 from collections import deque
@@ -42,17 +38,25 @@ from nanoinfer.core.messages import (EngineCoreOutput, ModelRunnerOutput, NewReq
                                      SchedulerOutput)
 from nanoinfer.core.scheduler_hooks import SchedulerHooks
 from nanoinfer.core.sequence import Sequence, SequenceStatus
+from nanoinfer.utils import cdiv
 
 RUNNING = (SequenceStatus.RUNNING, SequenceStatus.WAITING_FOR_REMOTE_KVS)
 
 
 class Scheduler(SchedulerHooks):
+    """The base path; the mechanisms' calls come from `SchedulerHooks`. Its state is set here."""
 
     def __init__(self, config: Config, block_manager: BlockManager, kv_connector=None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.eos_token_ids, self.block_manager = config.eos_token_ids, block_manager
+        self.eos_token_ids = config.eos_token_ids
+        self.block_manager = block_manager
         self.block_size = config.block_size
+        # Pipeline parallelism (P stages): a step holds at most max_num_seqs / P sequences.
+        self.pipelined = config.pipeline_parallel_size > 1
+        self.max_seqs_per_step = cdiv(config.max_num_seqs, config.pipeline_parallel_size)
+        # EAGLE writes this many positions past a step: every allocation includes them.
+        self.lookahead = config.num_lookahead_tokens
         # Every live sequence by seq_id; the queues; and the sequences finished or preempted
         # since the last step was sent, which the runner is to forget.
         self.requests: dict[int, Sequence] = {}
@@ -60,7 +64,8 @@ class Scheduler(SchedulerHooks):
         self.running: list[Sequence] = []
         self.finished_seq_ids: set[int] = set()
         self.num_preemptions = 0
-        self.init_mechanisms(config, kv_connector)   # their state (scheduler_hooks.py)
+        # The optional mechanisms' own state (scheduler_hooks.py).
+        self.init_mechanisms(config, kv_connector)
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.seq_id] = seq
@@ -188,15 +193,6 @@ class Scheduler(SchedulerHooks):
                 return None
         return new_blocks
 
-    def computed_blocks(self, seq: Sequence) -> list[int]:
-        """The cached prefix `seq` starts from: none for a request that wants every prompt
-        position's logits; with EAGLE, not the last cached block, whose draft-layer keys at its
-        last position came from the token after it, which may differ."""
-        if seq.prompt_logprobs is not None:
-            return []
-        computed = self.block_manager.get_computed_blocks(seq)
-        return computed[:-1] if self.lookahead and computed else computed
-
     def admit(self, seq: Sequence, num_cached: int, out: SchedulerOutput) -> None:
         """Move waiting `seq` to the running ones, sent whole to the runner."""
         self.waiting.remove(seq)
@@ -247,8 +243,9 @@ class Scheduler(SchedulerHooks):
             if not seq.is_finished:
                 seq.spec_token_ids = self.next_drafts(seq, runner_output, row)
             outputs.append(EngineCoreOutput(
-                seq_id, new_token_ids, None, seq.num_cached_tokens, seq.finish_reason,
-                seq.stop_reason, num_draft_tokens=num_drafts,
+                seq_id=seq_id, new_token_ids=new_token_ids,
+                num_cached_tokens=seq.num_cached_tokens, finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason, num_draft_tokens=num_drafts,
                 num_accepted_tokens=len(token_ids) - 1))
             if seq.sampling_params.logprobs is not None:
                 lp = runner_output.logprobs

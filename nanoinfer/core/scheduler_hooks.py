@@ -11,7 +11,9 @@ that the plain scheduler reads first and each mechanism reads as a chapter of it
   prompt blocks after its cached prefix, `load_external` has the step load them (the request
   waits in WAITING_FOR_REMOTE_KVS), `update_prompts` counts the good ones as computed, and
   `save_external` lists the full prompt blocks a producer's step computes;
-- prompt logprobs: `update_prompts` keeps them until the first output token goes out with them;
+- prompt logprobs: `computed_blocks` computes every prompt position of a request that wants
+  them (no cached prefix; with EAGLE, the last cached block is computed again), and
+  `update_prompts` keeps them until the first output token goes out with them;
 - structured output (structured_output/): a request waits in WAITING_FOR_FSM until its grammar
   is compiled (`grammar_ready`; one that fails to compile finishes it, with an output of its
   own), and `has_guided` / `guided_samples` tell the engine core which of a step's sequences
@@ -23,29 +25,26 @@ from nanoinfer.core.messages import EngineCoreOutput, ModelRunnerOutput, Schedul
 from nanoinfer.core.sequence import Sequence, SequenceStatus
 from nanoinfer.spec_decode.metrics import SpecDecodingStats
 from nanoinfer.spec_decode.ngram_proposer import NgramProposer
-from nanoinfer.utils import cdiv
 
 
 class SchedulerHooks:
-    """Mixed into `Scheduler`, whose state it uses."""
+    """Mixed into `Scheduler`, whose state (`requests`, `block_manager`, `block_size`,
+    `lookahead`) and `finish` it uses; the state below is the mechanisms' own."""
 
     def init_mechanisms(self, config: Config, kv_connector) -> None:
         """The mechanisms' state, beside the scheduler's own."""
-        # Pipeline parallelism: a step holds at most max_num_seqs / P sequences.
-        self.pipelined = config.pipeline_parallel_size > 1
-        self.max_seqs_per_step = cdiv(config.max_num_seqs, config.pipeline_parallel_size)
         # Structured output: the live sequences with a grammar, and the outputs of those that
         # finished outside a step (their grammar failed to compile).
         self.guided: set[int] = set()
         self.unstepped_outputs: list[EngineCoreOutput] = []
         # Speculative decoding: n-gram drafts are proposed here (EAGLE's and Medusa's by the
-        # runner), and EAGLE's write `lookahead` positions past a step, allocated with it.
-        spec, self.ngram = config.speculative, None
+        # runner).
+        spec = config.speculative
+        self.ngram = None
         if spec is not None and spec.method == "ngram":
             self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                        spec.prompt_lookup_max, config.max_model_len)
         self.spec_stats = SpecDecodingStats()
-        self.lookahead = config.num_lookahead_tokens
         # A KV connector's scheduler side (kv_transfer/).
         self.kv_connector = kv_connector
 
@@ -62,6 +61,15 @@ class SchedulerHooks:
         room = min(budget, seq.max_tokens - seq.num_output_tokens - 1)
         drafts = drafts[:max(room, 0)]
         return seq.grammar.valid_drafts(drafts) if seq.grammar is not None else drafts
+
+    def computed_blocks(self, seq: Sequence) -> list[int]:
+        """The cached prefix `seq` starts from: none for a request that wants every prompt
+        position's logits; with EAGLE, not the last cached block, whose draft-layer keys at its
+        last position came from the token after it, which may differ."""
+        if seq.prompt_logprobs is not None:
+            return []
+        computed = self.block_manager.get_computed_blocks(seq)
+        return computed[:-1] if self.lookahead and computed else computed
 
     def external_blocks(self, seq: Sequence, num_computed_blocks: int) -> list[int]:
         """The hashes of the prompt blocks after the cached ones that the KV connector has (one
@@ -146,7 +154,8 @@ class SchedulerHooks:
         except Exception as e:
             self.finish(seq, "abort", f"guided decoding failed: {e}")
             self.unstepped_outputs.append(
-                EngineCoreOutput(seq.seq_id, [], None, 0, "abort", seq.stop_reason))
+                EngineCoreOutput(seq_id=seq.seq_id, new_token_ids=[], num_cached_tokens=0,
+                                 finish_reason="abort", stop_reason=seq.stop_reason))
             return False
         seq.status = SequenceStatus.WAITING
         return True

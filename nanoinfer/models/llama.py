@@ -136,8 +136,10 @@ class LlamaForCausalLM(nn.Module):
         tied_elsewhere = self.tie_word_embeddings and last and not first
         self.skipped_weights = tuple(f"model.layers.{i}." for i in range(config.num_hidden_layers)
                                      if i not in self.model.stage)
-        self.skipped_weights += ("model.embed_tokens.",) * (not first and not tied_elsewhere)
-        self.skipped_weights += ("model.norm.", "lm_head.") * (not last)
+        if not first and not tied_elsewhere:
+            self.skipped_weights += ("model.embed_tokens.",)
+        if not last:
+            self.skipped_weights += ("model.norm.", "lm_head.")
         self.renamed_weights = (
             {"model.embed_tokens.weight": "lm_head.weight"} if tied_elsewhere else {})
 

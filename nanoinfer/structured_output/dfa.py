@@ -124,9 +124,13 @@ def build(node):
     if copies * len(part[0]) > MAX_STATES:
         raise ValueError(f"the regex needs more than {MAX_STATES:,} DFA states (a repeat of "
                          f"{copies:,} copies of a part of {len(part[0]) - 1} states)")
-    links = [(i, i + 1) for i in range(copies - 1)] + ([(copies - 1,) * 2] if hi is None else [])
-    parts = [part] * copies + [EMPTY_STRING] * (lo == 0)   # (that last part: the empty string)
-    return combine(parts, links, [0, copies][:1 + (lo == 0)], range(max(lo, 1) - 1, len(parts)))
+    links = [(i, i + 1) for i in range(copies - 1)]
+    if hi is None:   # (x{lo,}: the last copy repeats)
+        links.append((copies - 1, copies - 1))
+    # x{0,hi}: one more part, the empty string, which is a start too.
+    parts = [part] * copies + ([EMPTY_STRING] if lo == 0 else [])
+    starts = [0, copies] if lo == 0 else [0]
+    return combine(parts, links, starts, range(max(lo, 1) - 1, len(parts)))
 
 
 def without_empty_string(automaton):

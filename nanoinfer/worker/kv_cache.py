@@ -8,7 +8,6 @@ forward at the largest step (`max_num_batched_tokens` tokens) and the CUDA graph
 rank's cache must hold the blocks the scheduler hands out, so the ranks take the smallest count.
 """
 import torch
-import torch.distributed as dist
 
 from nanoinfer.attention import AttentionMetadata, set_forward_context
 from nanoinfer.config import Config
@@ -34,24 +33,20 @@ def check_kv_cache_holds_max_model_len(config: Config, kv_cache_bytes: float | N
     return num_blocks
 
 
-def allocate_kv_cache(runner) -> torch.Tensor:
-    """The model runner's KV cache, its views handed to every attention layer."""
-    config, layers = runner.config, runner.attn_layers
-    free_bytes = None
-    if runner.device.type == "cuda" and config.num_kvcache_blocks is None:
-        free_bytes = profile_free_memory(runner) - getattr(runner.kv_connector, "device_bytes", 0)
-    shape = (len(layers), config.block_size, layers[0].num_kv_heads, layers[0].head_dim)
-    # This rank's keys and values of one token, in all its layers.
-    bytes_per_token = 2 * shape[0] * shape[2] * shape[3] * runner.dtype.itemsize
-    num_blocks = check_kv_cache_holds_max_model_len(config, free_bytes, bytes_per_token)
-    num_blocks = torch.tensor([num_blocks], device=runner.device)
-    for group in (runner.tp_group, runner.pp_group):
-        group.all_reduce(num_blocks, op=dist.ReduceOp.MIN)
-    kv_cache = torch.empty(2, shape[0], int(num_blocks.item()), *shape[1:], dtype=runner.dtype,
-                           device=runner.device)
+def allocate_kv_cache(layers: list, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """The KV cache of `num_blocks` blocks for these attention layers, each handed its views."""
+    kv_cache = torch.empty(2, len(layers), num_blocks, block_size, layers[0].num_kv_heads,
+                           layers[0].head_dim, dtype=dtype, device=device)
     for i, layer in enumerate(layers):
-        layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+        layer.k_cache = kv_cache[0, i]
+        layer.v_cache = kv_cache[1, i]
     return kv_cache
+
+
+def kv_bytes_per_token(layers: list, dtype: torch.dtype) -> int:
+    """This rank's keys and values of one token, in all its attention layers."""
+    return 2 * len(layers) * layers[0].num_kv_heads * layers[0].head_dim * dtype.itemsize
 
 
 @torch.inference_mode()
@@ -60,7 +55,10 @@ def profile_free_memory(runner) -> float:
     left."""
     config, device, layer = runner.config, runner.device, runner.attn_layers[0]
     num_tokens, max_len = config.max_num_batched_tokens, config.max_model_len - 1
-    lens = [max_len] * (num_tokens // max_len) + [num_tokens % max_len] * bool(num_tokens % max_len)
+    # Sequences of max_model_len - 1 tokens, and one of what is left.
+    lens = [max_len] * (num_tokens // max_len)
+    if num_tokens % max_len:
+        lens.append(num_tokens % max_len)
     # Every key is read from one dummy block, and nothing is written.
     meta = AttentionMetadata(
         cu_seqlens_q=torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32),

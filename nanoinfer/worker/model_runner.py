@@ -44,7 +44,8 @@ from nanoinfer.spec_decode.rejection_sampler import accept_drafts
 from nanoinfer.worker.async_output import AsyncModelRunnerOutput, to_host
 from nanoinfer.worker.cuda_graph import CUDAGraphRunner
 from nanoinfer.worker.input_batch import InputBatch, StepInputs
-from nanoinfer.worker.kv_cache import allocate_kv_cache, check_kv_cache_holds_max_model_len
+from nanoinfer.worker.kv_cache import (allocate_kv_cache, check_kv_cache_holds_max_model_len,
+                                       kv_bytes_per_token, profile_free_memory)
 
 
 @dataclass
@@ -83,7 +84,7 @@ class ModelRunner:
         self.attn_layers = self.attention_layers()
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.kv_connector = kv_connector or make_kv_connector(config, rank)
-        self.kv_cache = allocate_kv_cache(self)
+        self.kv_cache = self.init_kv_cache()
         self.num_kvcache_blocks = self.kv_cache.shape[2]
         self.graph_runner = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -120,6 +121,26 @@ class ModelRunner:
         for layer in layers:
             layer.backend = backend
         return layers
+
+    def init_kv_cache(self) -> torch.Tensor:
+        """The KV cache (kv_cache.py): as many blocks as `num_kvcache_blocks`, the CPU's cache
+        space, or the GPU memory a profiling step leaves; every rank takes the smallest count."""
+        config = self.config
+        free_bytes = None
+        if self.device.type == "cuda" and config.num_kvcache_blocks is None:
+            connector_bytes = getattr(self.kv_connector, "device_bytes", 0)
+            free_bytes = profile_free_memory(self) - connector_bytes
+        bytes_per_token = kv_bytes_per_token(self.attn_layers, self.dtype)
+        num_blocks = check_kv_cache_holds_max_model_len(config, free_bytes, bytes_per_token)
+        num_blocks = self.min_over_ranks(torch.tensor([num_blocks], device=self.device))
+        return allocate_kv_cache(self.attn_layers, int(num_blocks.item()), config.block_size,
+                                 self.dtype, self.device)
+
+    def min_over_ranks(self, counts: torch.Tensor) -> torch.Tensor:
+        """The smallest of every tensor- and pipeline-parallel rank's `counts`, in place."""
+        for group in (self.tp_group, self.pp_group):
+            group.all_reduce(counts, op=dist.ReduceOp.MIN)
+        return counts
 
     def reset(self) -> None:
         """Forget every request (the engine aborted them all)."""
@@ -177,25 +198,27 @@ class ModelRunner:
                       ) -> AsyncModelRunnerOutput:
         """Process the executed step's logits and sample (still without waiting for the GPU);
         `grammar`: the bitmask of the constrained requests' rows (structured output)."""
-        step, hidden_states = executed.step, executed.hidden_states
-        sampled = drafts = None
-        if hidden_states is None:
-            pass   # no forward here: KV blocks loaded only, or a pipeline stage before the last
-        elif not step.sample_seq_ids:
-            # Prompt chunks only: EAGLE's layer writes their keys and values too.
-            if self.config.num_lookahead_tokens:
-                self.propose_drafts(step, hidden_states, None)
-        elif executed.logits is None:
+        step = executed.step
+        hidden_states = executed.hidden_states
+        sampled = None
+        drafts = None
+        if executed.logits is not None:
+            # This rank samples: the base path.
+            sampled, drafts = self.sample(step, executed.logits, hidden_states, grammar)
+        elif hidden_states is not None and step.sample_seq_ids:
             # A tensor-parallel rank that does not sample: rank 0 sends it the tokens.
             self.receive_tokens(step, hidden_states)
-        else:
-            sampled, drafts = self.sample(step, executed.logits, hidden_states, grammar)
+        elif hidden_states is not None and self.config.num_lookahead_tokens:
+            # Prompt chunks only: EAGLE's layer writes their keys and values too.
+            self.propose_drafts(step, hidden_states, None)
+        # (No forward here at all: KV blocks loaded only, or a pipeline stage before the last.)
         # The step's blocks are saved after EAGLE's layer too, and its output waits for them.
         kv_saved = self.save_kv(executed.kv_saves) if executed.kv_saves else None
         return AsyncModelRunnerOutput(
-            step.sample_seq_ids if sampled else [], sampled, step and step.rows_per_request,
-            drafts=drafts, kv_loaded=executed.kv_loaded,
-            prompt_logprobs=executed.prompt_logprobs, kv_saved=kv_saved)
+            seq_ids=step.sample_seq_ids if sampled else [], sampled=sampled,
+            rows_per_request=step.rows_per_request if step else None, drafts=drafts,
+            kv_loaded=executed.kv_loaded, prompt_logprobs=executed.prompt_logprobs,
+            kv_saved=kv_saved)
 
     def sample(self, step: StepInputs, logits: torch.Tensor, hidden_states: torch.Tensor,
                grammar: GrammarOutput | None) -> tuple[SamplerOutput, torch.Tensor | None]:
@@ -251,9 +274,7 @@ class ModelRunner:
             return None
         counts = torch.tensor([self.kv_connector.load_kv(blocks, self.kv_cache)
                                for blocks in sched.kv_loads.values()], device=self.device)
-        for group in (self.tp_group, self.pp_group):
-            group.all_reduce(counts, op=dist.ReduceOp.MIN)
-        return dict(zip(sched.kv_loads, counts.tolist()))
+        return dict(zip(sched.kv_loads, self.min_over_ranks(counts).tolist()))
 
     def save_kv(self, blocks: list[tuple[int, int]]) -> tuple:
         """Queue the step's computed blocks for the KV connector; (its saver, the ticket)."""
