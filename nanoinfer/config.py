@@ -97,7 +97,9 @@ class Config:
     def check_model_parallel(self) -> None:
         """The model's sizes must split evenly over the tensor-parallel ranks (KV heads may be
         replicated), and each pipeline stage must get at least one layer."""
-        tp, pp, hf = self.tensor_parallel_size, self.pipeline_parallel_size, self.hf_config
+        tp = self.tensor_parallel_size
+        pp = self.pipeline_parallel_size
+        hf = self.hf_config
         require(pp <= hf.num_hidden_layers, f"pipeline_parallel_size={pp} is more than the "
                 f"model's num_hidden_layers={hf.num_hidden_layers}")
         for name, size in (("num_attention_heads", hf.num_attention_heads),

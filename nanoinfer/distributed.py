@@ -25,7 +25,8 @@ import torch.distributed as dist
 class GroupCoordinator:
 
     def __init__(self, ranks: list[int], group: dist.ProcessGroup | None = None):
-        self.ranks, self.group = ranks, group
+        self.ranks = ranks
+        self.group = group
         self.world_size = len(ranks)
         self.rank_in_group = ranks.index(dist.get_rank()) if group is not None else 0
 
@@ -86,7 +87,8 @@ def init_model_parallel(tensor_parallel_size: int) -> None:
     """Split the (initialised) world into tensor-parallel groups of consecutive ranks and
     pipeline-parallel groups across them (the world size over T is the number of stages)."""
     global _TP, _PP
-    world_size, tp = dist.get_world_size(), tensor_parallel_size
+    world_size = dist.get_world_size()
+    tp = tensor_parallel_size
     # tensor-parallel groups: a stage's consecutive ranks; pipeline-parallel: one rank of each stage
     _TP = own_group([list(range(start, start + tp)) for start in range(0, world_size, tp)])
     _PP = own_group([list(range(first, world_size, tp)) for first in range(tp)])

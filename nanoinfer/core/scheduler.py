@@ -184,7 +184,8 @@ class Scheduler(SchedulerHooks):
                 seq, num_new, num_lookahead_tokens=self.lookahead)) is None:
             victim = self.running.pop()
             self.block_manager.free(victim)
-            victim.status, victim.num_computed_tokens = SequenceStatus.WAITING, 0
+            victim.status = SequenceStatus.WAITING
+            victim.num_computed_tokens = 0
             victim.spec_token_ids = []
             self.waiting.appendleft(victim)
             out.preempted_seq_ids.add(victim.seq_id)
@@ -228,7 +229,8 @@ class Scheduler(SchedulerHooks):
         """Append each sampled sequence's new tokens, applying the token-level stops to each in
         order."""
         self.update_prompts(runner_output)
-        outputs, lp_end = [], 0
+        outputs = []
+        lp_end = 0
         for row, (seq_id, token_ids) in enumerate(zip(runner_output.seq_ids,
                                                       runner_output.sampled_token_ids)):
             lp_start, lp_end = lp_end, lp_end + len(token_ids)

@@ -57,7 +57,8 @@ class SchedulerHooks:
     def drafts_that_fit(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts of `seq` that its step can score: within the budget, and such that the
         accepted drafts and the target's own token stay within max_tokens and max_model_len."""
-        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        drafts = seq.spec_token_ids
+        seq.spec_token_ids = []
         room = min(budget, seq.max_tokens - seq.num_output_tokens - 1)
         drafts = drafts[:max(room, 0)]
         return seq.grammar.valid_drafts(drafts) if seq.grammar is not None else drafts
@@ -115,7 +116,8 @@ class SchedulerHooks:
     def settle_drafts(self, seq: Sequence, num_accepted: int) -> int:
         """Take the rejected drafts of the step back off `num_computed_tokens`; the number
         scored."""
-        num_drafts, seq.num_scheduled_drafts = seq.num_scheduled_drafts, 0
+        num_drafts = seq.num_scheduled_drafts
+        seq.num_scheduled_drafts = 0
         # The rejected drafts' keys and values do not count.
         if num_drafts:
             seq.num_computed_tokens -= num_drafts - num_accepted
@@ -161,7 +163,8 @@ class SchedulerHooks:
         return True
 
     def take_unstepped_outputs(self) -> list[EngineCoreOutput]:
-        outputs, self.unstepped_outputs = self.unstepped_outputs, []
+        outputs = self.unstepped_outputs
+        self.unstepped_outputs = []
         return outputs
 
     def forget(self, seq: Sequence) -> None:

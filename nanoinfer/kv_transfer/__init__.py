@@ -59,7 +59,8 @@ def make_kv_connector(config: Config, rank: int | None = 0):
 
 def kv_layout(config: Config) -> dict:
     """What a block's bytes are: the model, its dtype and the KV cache's shape and ranks."""
-    hf, spec = config.hf_config, config.speculative
+    hf = config.hf_config
+    spec = config.speculative
     eagle = config.num_lookahead_tokens > 0   # (EAGLE's draft layer is one more KV layer)
     return {"model": model_fingerprint(config.model, config.load_format, config.seed),
             "draft_model": model_fingerprint(spec.model) if eagle else None,

@@ -22,20 +22,17 @@ blocked in a wait holds up every other call on it), and the group has one more.
   by hash; a request with that prefix finds the blocks there (the scheduler's side) and its step
   copies them into the request's own blocks (the worker's side). A block that has not arrived
   yet is simply computed; one that two requests want in the same step goes to the first.
-- Bounded. Received blocks take at most "kv_buffer_size" bytes (default 1 GiB, taken from the KV
-  cache's share of the GPU, as the producer's queued copies are): an offer evicts the oldest
-  first, and one larger than that brings its first blocks only (a prompt's prefix is what a
-  request can load). A request that finishes frees those it did not load (blocks it had cached,
-  the last one).
+- Bounded. Received blocks take at most "kv_buffer_size" bytes (default 1 GiB, from the KV
+  cache's share of the GPU): an offer evicts the oldest first, and one larger than that brings
+  its first blocks only. A finished request frees those it did not load.
 - A peer gone. A consumer that does not answer an offer within "kv_timeout" seconds (default
   10), that left, or whose link fails, is gone: the producer logs it once, counts the blocks it
   does not send (`unsent_blocks`), and goes on serving until a consumer pairs again. A consumer
   whose producer is gone logs it and computes every prompt itself; pairing with a new producer
   takes restarting it. A link that fails mid-transfer fails after at most kv_timeout (on NCCL,
   the watchdog may then end the process: the one case that still costs an engine).
-- Streams. Sends and receives run on their threads' own CUDA streams, never on the engine's, so
-  a slow peer never holds up the engine's kernels; a step's blocks count as saved once the
-  consumer holds them.
+- Streams. Sends and receives run on their threads' own CUDA streams, so a slow peer never holds
+  up the engine's kernels; a step's blocks count as saved once the consumer holds them.
 """
 import contextlib
 import itertools
@@ -73,7 +70,9 @@ class P2pConnector:
         self.received: OrderedDict[int, torch.Tensor] = OrderedDict()   # the consumer's, by hash
         self.lock = threading.Lock()   # (received and link: a thread changes them, the step reads)
         self.link = None   # while paired: (its control store, its process group, offer numbers)
-        self.closed, self.next_consumer, self.offer = False, 1, 1
+        self.closed = False
+        self.next_consumer = 1
+        self.offer = 1
         self.num_loaded_blocks = self.num_saved_blocks = 0
         self.num_unsent_blocks = self.num_evicted_blocks = 0
         self.store = self.saver = self.receiver = self.listener = None
@@ -129,7 +128,8 @@ class P2pConnector:
                     continue
                 link = self.open_link(number, 0)
                 with self.lock:
-                    self.link, link = link, None   # (the thread keeps no link of its own)
+                    self.link = link
+                    link = None   # (the thread keeps no link of its own)
                 logger.info("P2pConnector: a consumer paired")
             except RuntimeError as e:
                 if self.closed:

@@ -26,7 +26,8 @@ class KVSaver:
 
     def __init__(self, write: Callable[[list[int], torch.Tensor], None], max_bytes: int, name: str):
         """write(hashes, kv): kv is [blocks, 2, layers, block_size, kv_heads, head_dim]."""
-        self.write, self.max_bytes = write, max_bytes
+        self.write = write
+        self.max_bytes = max_bytes
         self.queue: queue.Queue = queue.Queue()
         self.progress = threading.Condition()
         self.num_put = self.num_done = 0   # step copies queued and saved (put, by the step loop;

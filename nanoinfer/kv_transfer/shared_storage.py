@@ -44,15 +44,20 @@ STORED = object()   # a block's file is there already, whole and equal
 class SharedStorageConnector:
 
     def __init__(self, config: Config, rank: int | None = 0):
-        transfer, self.layout_dict = config.kv_transfer, kv_layout(config)
+        transfer = config.kv_transfer
+        self.layout_dict = kv_layout(config)
         self.layout = layout_id(self.layout_dict)
         self.path = os.path.join(transfer.extra_config["shared_storage_path"], self.layout)
         self.loads, self.saves = (transfer.kv_role != r for r in ("kv_producer", "kv_consumer"))
-        self.rank, self.world_size = rank, config.world_size
+        self.rank = rank
+        self.world_size = config.world_size
         self.num_loaded_blocks = self.num_saved_blocks = self.num_bad_blocks = 0
-        self.num_failed_saves, self.failing = 0, False
-        self.saver, self.device_bytes = None, 0   # (copies queued on the device, at most)
-        self.host, self.pool = None, ThreadPoolExecutor(4, "nanoinfer-kv-file")
+        self.num_failed_saves = 0
+        self.failing = False
+        self.saver = None
+        self.device_bytes = 0   # (copies queued on the device, at most)
+        self.host = None
+        self.pool = ThreadPoolExecutor(4, "nanoinfer-kv-file")
         if self.saves and rank is not None:   # (rank None: the scheduler's side only)
             self.write_layout(self.layout_dict)
             self.device_bytes = transfer.extra_config.get("kv_buffer_size", 2**30)
@@ -149,7 +154,8 @@ class SharedStorageConnector:
             self.write_layout(self.layout_dict)
         for error in self.pool.map(self.write_block, hashes, kv):
             if error is None:
-                self.num_saved_blocks, self.failing = self.num_saved_blocks + 1, False
+                self.num_saved_blocks += 1
+                self.failing = False
             elif error is not STORED:
                 self.failed(error)
 

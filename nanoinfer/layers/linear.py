@@ -117,7 +117,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         # (Config.check_model_parallel: one of the KV heads and the ranks divides the other)
         self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
         self.kv_replicas = max(1, tp_size // total_num_kv_heads)
-        self.head_dim, self.total_num_kv_heads = head_dim, total_num_kv_heads
+        self.head_dim = head_dim
+        self.total_num_kv_heads = total_num_kv_heads
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias)
         set_shard_ids(self, ("q", "k", "v"))
@@ -132,7 +133,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         (num_heads and num_kv_heads count one rank's heads, as __init__ sets them)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            dst, start, full = param.data[:q_size], self.tp_rank * q_size, q_size * self.tp_size
+            dst = param.data[:q_size]
+            start = self.tp_rank * q_size
+            full = q_size * self.tp_size
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             dst = param.data.narrow(0, offset, kv_size)

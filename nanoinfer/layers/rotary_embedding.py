@@ -22,7 +22,8 @@ def rope_config(hf_config) -> tuple[float, dict | None]:
     """(theta, scaling) from either config form; scaling is None for plain RoPE."""
     params = getattr(hf_config, "rope_parameters", None)
     if params and "rope_theta" in params:
-        theta, scaling = params["rope_theta"], params
+        theta = params["rope_theta"]
+        scaling = params
     else:
         theta = getattr(hf_config, "rope_theta", 10000.0)
         scaling = getattr(hf_config, "rope_scaling", None)
@@ -36,7 +37,9 @@ def rope_config(hf_config) -> tuple[float, dict | None]:
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    factor = scaling["factor"]
+    low = scaling["low_freq_factor"]
+    high = scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)

@@ -62,7 +62,8 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        bias, hidden = getattr(config, "mlp_bias", False), config.hidden_size
+        bias = getattr(config, "mlp_bias", False)
+        hidden = config.hidden_size
         if (act := config.hidden_act) != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported; nanoinfer supports 'silu'")
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [config.intermediate_size] * 2, bias)
@@ -96,7 +97,9 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config, max_position: int):
         super().__init__()
-        pp, vocab, hidden = get_pp_group(), config.vocab_size, config.hidden_size
+        pp = get_pp_group()
+        vocab = config.vocab_size
+        hidden = config.hidden_size
         self.stage = stage_layers(config.num_hidden_layers, pp.world_size, pp.rank_in_group)
         self.embed_tokens = VocabParallelEmbedding(vocab, hidden) if pp.is_first else None
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, max_position) if i in self.stage

@@ -23,7 +23,8 @@ def make_drafter(config, target, tp_group):
     spec = config.speculative
     if spec is None or spec.method == "ngram":
         return None
-    hf, k = config.hf_config, spec.num_speculative_tokens
+    hf = config.hf_config
+    k = spec.num_speculative_tokens
     if spec.method == "eagle":
         from nanoinfer.spec_decode.eagle import EagleProposer
         return EagleProposer(spec.model, k, target, hf, config.max_model_len, config.block_size,

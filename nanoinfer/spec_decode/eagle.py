@@ -62,8 +62,11 @@ class EagleProposer:
         if shape != target_shape:
             raise ValueError(f"the EAGLE head in {path!r} has (hidden_size, num_key_value_heads, "
                              f"head_dim) = {shape}, the model {target_shape}: they must be equal")
-        self.k, self.target, self.max_model_len = k, target, max_model_len
-        self.block_size, self.tp_group = block_size, tp_group
+        self.k = k
+        self.target = target
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.tp_group = tp_group
         self.model = EagleModel(config, max_model_len + k)
         load_model(self.model, path)
 
@@ -86,7 +89,9 @@ class EagleProposer:
         # nobody samples: the pass only wrote the new positions' keys and values
         if not len(last_rows):
             return None
-        hidden_states, positions, drafts = out[last_rows], step.positions[last_rows], []
+        hidden_states = out[last_rows]
+        positions = step.positions[last_rows]
+        drafts = []
         while True:
             logits = self.target.compute_logits(hidden_states)   # the first rank's only
             draft = logits.argmax(-1) if logits is not None else \

@@ -16,7 +16,10 @@ import numpy as np
 class NgramProposer:
 
     def __init__(self, k: int, min_n: int, max_n: int, max_model_len: int):
-        self.k, self.min_n, self.max_n, self.max_model_len = k, min_n, max_n, max_model_len
+        self.k = k
+        self.min_n = min_n
+        self.max_n = max_n
+        self.max_model_len = max_model_len
         # seq_id -> its tokens as an int32 array, appended to as they come (a list converted
         # every step would cost more than the search), and how many it holds
         self.arrays: dict[int, tuple[np.ndarray, int]] = {}

@@ -41,7 +41,9 @@ class Grammar:
     """One request's constraint: its compiled token index, once ready, and its DFA state."""
 
     def __init__(self, compiled: Future):
-        self.compiled, self.index, self.state = compiled, None, 0
+        self.compiled = compiled
+        self.index = None
+        self.state = 0
 
     def ready(self) -> bool:
         """Has the compilation finished? (Raises its error if it failed.)"""
@@ -81,7 +83,9 @@ def guided_regex(params: GuidedDecodingParams) -> str:
 class StructuredOutputManager:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
-        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
         self.vocab: Vocabulary | None = None   # made on first use, in the thread
         self.indexes: dict[str, TokenIndex] = {}
         self.evicted: list[TokenIndex] = []   # left the cache (by the compile thread)
@@ -129,7 +133,9 @@ class StructuredOutputManager:
         while self.evicted:   # grammars that left the cache: drop their rows, so they can be freed
             index = self.evicted.pop()
             self.rows = {key: row for key, row in self.rows.items() if key[0] is not index}
-        seq_ids, num_rows, keys = [], [], []
+        seq_ids = []
+        num_rows = []
+        keys = []
         for seq_id, grammar, drafts in samples:
             states = grammar.states(drafts)
             seq_ids.append(seq_id)
@@ -139,10 +145,12 @@ class StructuredOutputManager:
             return None
         new_keys = {key: None for key in keys if key not in self.rows}   # (in order, once each)
         if self.next_row + len(new_keys) > MAX_MASK_ROWS + 1:   # the table is full: start it again
-            self.rows, self.next_row = {}, 1
+            self.rows = {}
+            self.next_row = 1
             new_keys = dict.fromkeys(keys)
         for key in new_keys:
-            self.rows[key], self.next_row = self.next_row, self.next_row + 1
+            self.rows[key] = self.next_row
+            self.next_row += 1
         new_masks = None
         if new_keys:
             new_masks = np.stack([index.bitmask(state) for index, state in new_keys])

@@ -31,37 +31,14 @@ import threading
 
 import numpy as np
 
-from nanoinfer.structured_output.regex import MAX_CHAR, complement, parse
+from nanoinfer.structured_output.regex import complement, parse
+from nanoinfer.structured_output.utf8 import utf8_ranges
 
-MAX_STATES, MAX_ROUNDS, MINIMIZE_MAX = 50_000, 24, 4096
+MAX_STATES = 50_000
+MAX_ROUNDS = 24
+MINIMIZE_MAX = 4096
 MAX_SUBSETS = 10_000   # sets of several states a pattern may explore (each costs Python work)
 budget = threading.local()   # this thread's pattern's: the sets it may still explore
-SURROGATES = (0xD800, 0xDFFF)
-
-
-def utf8_ranges(lo: int, hi: int) -> list[list[tuple[int, int]]]:
-    """The UTF-8 encodings of code points lo..hi as sequences of byte ranges."""
-    out = []
-    for a, b in ((0, 0x7F), (0x80, 0x7FF), (0x800, SURROGATES[0] - 1), (SURROGATES[1] + 1, 0xFFFF),
-                 (0x10000, MAX_CHAR)):   # ranges of one encoded length, surrogates left out
-        if max(lo, a) <= min(hi, b):
-            out += byte_ranges(list(chr(max(lo, a)).encode()), list(chr(min(hi, b)).encode()))
-    return out
-
-
-def byte_ranges(first: list[int], last: list[int]) -> list[list[tuple[int, int]]]:
-    """All byte strings from `first` to `last` (same length, UTF-8 order) as range sequences."""
-    n = len(first) - 1
-    if first[1:] == [0x80] * n and last[1:] == [0xBF] * n:
-        return [[(first[0], last[0])] + [(0x80, 0xBF)] * n]
-    if first[0] == last[0]:
-        return [[(first[0], first[0])] + r for r in byte_ranges(first[1:], last[1:])]
-    out = [[(first[0], first[0])] + r for r in byte_ranges(first[1:], [0xBF] * n)]
-    if first[0] + 1 < last[0]:
-        out.append([(first[0] + 1, last[0] - 1)] + [(0x80, 0xBF)] * n)
-    return out + [[(last[0], last[0])] + r for r in byte_ranges([0x80] * n, last[1:])]
-
-
 # An automaton while it is built: (table int32 [states, classes], accepting bool [states],
 # byte_class int32 [256]); state 0 is dead, state 1 the start. None is the empty language.
 EMPTY_STRING = (np.zeros((2, 1), np.int32), np.array([False, True]), np.zeros(256, np.int32))
@@ -75,7 +52,8 @@ def set_automaton(ranges: tuple[tuple[int, int], ...]):
                       for seq in utf8_ranges(lo, hi))
     if not rests:
         return None
-    ids, rows = {}, [np.zeros(256, np.int32)]
+    ids = {}
+    rows = [np.zeros(256, np.int32)]
 
     def state(rest: frozenset) -> int:
         if rest not in ids:
@@ -118,8 +96,11 @@ def build(node):
     part = build(part)
     if part is None or hi == 0:
         return EMPTY_STRING if lo == 0 else None
-    if part[1][1]:   # x accepts the empty string: x{lo,hi} is x'{0,hi}, x' = x without it, whose
-        part, lo = without_empty_string(part), 0   # copies then need no subset construction
+    # x accepts the empty string: x{lo,hi} is x'{0,hi}, x' = x without it, whose copies then need
+    # no subset construction.
+    if part[1][1]:
+        part = without_empty_string(part)
+        lo = 0
     copies = max(lo, 1) if hi is None else hi
     if copies * len(part[0]) > MAX_STATES:
         raise ValueError(f"the regex needs more than {MAX_STATES:,} DFA states (a repeat of "
@@ -218,7 +199,8 @@ def determinize(table: np.ndarray, is_final: np.ndarray, eps: dict[int, list[int
     for q in eps:
         remap[q] = state_of(closure([q]))
     start = state_of(closure(starts))
-    rows, accepting = [remap[table]], [is_final]
+    rows = [remap[table]]
+    accepting = [is_final]
     for members in members_of:   # the sets of several states, explored as they appear
         targets = table[sorted(members)]
         live = (targets != 0).sum(0)
@@ -271,10 +253,13 @@ def minimize(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.n
 
 class DFA:
     def __init__(self, table: np.ndarray, accepting: np.ndarray, byte_class: np.ndarray):
-        self.table, self.accepting, self.byte_class = table, accepting, byte_class
+        self.table = table
+        self.accepting = accepting
+        self.byte_class = byte_class
         self.start = 1
         # walk's copies: Python lists index faster than numpy does one item at a time
-        self.walk_table, self.byte_classes = table.tolist(), byte_class.tolist()
+        self.walk_table = table.tolist()
+        self.byte_classes = byte_class.tolist()
 
     def walk(self, state: int, data: bytes) -> int:
         """The state after reading `data` from `state`: `table[state, byte_class[b]]` for each

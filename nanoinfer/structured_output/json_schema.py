@@ -92,7 +92,8 @@ def bounds(schema: dict, what: str) -> tuple[int, int | None]:
 
 class SchemaCompiler:
     def __init__(self, root):
-        self.root, self.resolving = root, []
+        self.root = root
+        self.resolving = []
 
     def compile(self, schema) -> str:
         regex = self.compile_one(schema)
@@ -138,7 +139,8 @@ class SchemaCompiler:
     @staticmethod
     def alternatives(options) -> str:
         """The regexes of the options that something satisfies, as one alternation."""
-        regexes, error = [], None
+        regexes = []
+        error = None
         for option in options:
             try:
                 regexes.append(option())
@@ -156,7 +158,8 @@ class SchemaCompiler:
 
     def enum(self, schema: dict) -> str:
         """The values that the sibling keywords allow too."""
-        values, rest = schema["enum"], without(schema, "enum")
+        values = schema["enum"]
+        rest = without(schema, "enum")
         if not isinstance(values, list):
             raise ValueError(f"JSON schema keyword 'enum' must be a list, got {values!r}")
         if set(rest) - ANNOTATIONS:   # (our own DFA of the rest judges them)
@@ -197,7 +200,8 @@ class SchemaCompiler:
         return rf"\[{repeat(self.compile(items) if hi != 0 else '', lo, hi)}\]"
 
     def object(self, schema: dict) -> str:
-        extra, props = schema.get("additionalProperties", True), schema.get("properties", {})
+        extra = schema.get("additionalProperties", True)
+        props = schema.get("properties", {})
         if not isinstance(props, dict):
             raise ValueError(f"JSON schema keyword 'properties' must be an object, got {props!r}")
         props = dict(props)

@@ -44,7 +44,8 @@ CATEGORIES = {sre.CATEGORY_DIGIT: ("d", False), sre.CATEGORY_NOT_DIGIT: ("d", Tr
 
 
 def complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out, lo = [], 0
+    out = []
+    lo = 0
     for a, b in sorted(ranges):
         if a > lo:
             out.append((lo, a - 1))

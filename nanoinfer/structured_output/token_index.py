@@ -64,21 +64,24 @@ class Vocabulary:
     """A tokenizer's tokens as a byte matrix, made once per engine."""
 
     def __init__(self, token_bytes: list[bytes | None], eos_token_ids: list[int]):
-        self.token_bytes, self.eos_token_ids = token_bytes, eos_token_ids
+        self.token_bytes = token_bytes
+        self.eos_token_ids = eos_token_ids
         self.ids = ids = np.array([i for i, b in enumerate(token_bytes) if b], np.int64)
         self.lengths = lengths = np.array([len(token_bytes[i]) for i in ids], np.int64)
         self.matrix = np.zeros((len(ids), lengths.max(initial=1)), np.uint8)
         rows = np.repeat(np.arange(len(ids)), lengths)
         cols = np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         self.matrix[rows, cols] = np.frombuffer(b"".join(token_bytes[i] for i in ids), np.uint8)
-        self.size, self.num_words = len(token_bytes), cdiv(len(token_bytes), 32)
+        self.size = len(token_bytes)
+        self.num_words = cdiv(len(token_bytes), 32)
 
 
 class TokenIndex:
     """One grammar's DFA against one vocabulary: per state, the bitmask of allowed tokens."""
 
     def __init__(self, dfa: DFA, vocab: Vocabulary):
-        self.dfa, self.vocab = dfa, vocab
+        self.dfa = dfa
+        self.vocab = vocab
         self.masks: dict[int, np.ndarray] = {}
 
     def next_states(self, state: int) -> np.ndarray:
@@ -88,7 +91,9 @@ class TokenIndex:
         dead state, or if the token has no bytes (None: a special token, an id the tokenizer does
         not have). `vocab.ids`, `lengths` and `matrix` hold the tokens that have bytes, as rows of
         a byte matrix (zero-padded), for walking them all at once."""
-        vocab, table, byte_class = self.vocab, self.dfa.table, self.dfa.byte_class
+        vocab = self.vocab
+        table = self.dfa.table
+        byte_class = self.dfa.byte_class
         ends = np.zeros(vocab.size, np.int32)
         rows = np.arange(len(vocab.ids))
         states = np.full(len(rows), state, np.int32)

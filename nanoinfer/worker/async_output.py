@@ -37,8 +37,12 @@ class AsyncModelRunnerOutput:
         optional mechanisms': the next step's drafts; seq_id -> a KV connector's blocks loaded in
         the step, and (its saver, the ticket of the step's saves); the step's prompt tokens'
         logprobs, (the layout, the rows)."""
-        self.seq_ids, self.sampled, self.copied = seq_ids, None, None
-        self.rows_per_request, self.kv_loaded, self.kv_saved = rows_per_request, kv_loaded, kv_saved
+        self.seq_ids = seq_ids
+        self.sampled = None
+        self.copied = None
+        self.rows_per_request = rows_per_request
+        self.kv_loaded = kv_loaded
+        self.kv_saved = kv_saved
         self.prompt_logprobs = prompt_logprobs
         self.drafts = None if drafts is None else drafts.to("cpu", non_blocking=True)
         # Copies queued behind the step's kernels: the host goes on meanwhile.

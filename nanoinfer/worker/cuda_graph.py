@@ -53,7 +53,8 @@ class CUDAGraphRunner:
         self.batch_sizes, self.prefill_sizes = graph_sizes(config)
         n = max_graph_tokens(config)
         seqs = max(self.batch_sizes[-1], PREFILL_SEQS)
-        hidden, dtype = config.hf_config.hidden_size, config.torch_dtype
+        hidden = config.hf_config.hidden_size
+        dtype = config.torch_dtype
 
         def zeros(*shape, dtype=torch.int32):
             return torch.zeros(*shape, dtype=dtype, device=device)
@@ -112,7 +113,9 @@ class CUDAGraphRunner:
     def run(self, graph: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Replays the graph `graph_size` chose for this step, its inputs copied in first."""
-        (size, decode), n, s = graph, len(input_ids), len(meta.context_lens)
+        size, decode = graph
+        n = len(input_ids)
+        s = len(meta.context_lens)
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
         self.slot_mapping[:n] = meta.slot_mapping

@@ -89,14 +89,16 @@ class StepInputs:
 class InputBatch(SamplingInputs):
 
     def __init__(self, config: Config, device: torch.device):
-        self.block_size, self.eos_token_ids = config.block_size, config.eos_token_ids
+        self.block_size = config.block_size
+        self.eos_token_ids = config.eos_token_ids
         self.vocab_size = config.hf_config.vocab_size
         # Positions past a step that EAGLE writes; the size up to which a step that only verifies
         # drafts runs as decode rows.
         self.lookahead = config.num_lookahead_tokens
         self.max_flat_rows = 0
         self.device = device
-        max_num_reqs, max_model_len = config.max_num_seqs, config.max_model_len
+        max_num_reqs = config.max_num_seqs
+        max_model_len = config.max_model_len
         # pages of the token table are touched only as they are used
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
         self.num_tokens = np.zeros(max_num_reqs, np.int64)
@@ -162,7 +164,8 @@ class InputBatch(SamplingInputs):
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         """The step as one flat batch: every scheduled request's new tokens back to back."""
-        bs, seq_ids = self.block_size, list(sched.num_scheduled_tokens)
+        bs = self.block_size
+        seq_ids = list(sched.num_scheduled_tokens)
         rows = np.fromiter((self.rows[s] for s in seq_ids), np.int64, len(seq_ids))
         num_new = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(seq_ids))
         start = self.num_computed_tokens[rows]
@@ -271,7 +274,9 @@ class InputBatch(SamplingInputs):
         wanted = self.sampling["prompt_logprobs"][rows]   # (-1: not wanted)
         if not (wanted >= 0).any():
             return None
-        layout, index, targets = [], [], []
+        layout = []
+        index = []
+        targets = []
         for i in np.flatnonzero(wanted >= 0):
             positions = np.arange(start[i], min(end[i], self.num_prompt_tokens[rows[i]] - 1))
             if len(positions):

@@ -53,8 +53,11 @@ def kv_bytes_per_token(layers: list, dtype: torch.dtype) -> int:
 def profile_free_memory(runner) -> float:
     """Bytes for the KV cache: run the largest step (without a real cache) and see what is
     left."""
-    config, device, layer = runner.config, runner.device, runner.attn_layers[0]
-    num_tokens, max_len = config.max_num_batched_tokens, config.max_model_len - 1
+    config = runner.config
+    device = runner.device
+    layer = runner.attn_layers[0]
+    num_tokens = config.max_num_batched_tokens
+    max_len = config.max_model_len - 1
     # Sequences of max_model_len - 1 tokens, and one of what is left.
     lens = [max_len] * (num_tokens // max_len)
     if num_tokens % max_len:

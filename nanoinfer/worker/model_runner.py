@@ -66,7 +66,9 @@ class ExecutedStep:
 class ModelRunner:
 
     def __init__(self, config: Config, kv_connector=None):
-        self.config, self.dtype, self.block_size = config, config.torch_dtype, config.block_size
+        self.config = config
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
         self.device = torch.device(config.device)
         if self.device.type == "cuda":   # (under tensor parallelism: this rank's GPU)
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -97,7 +99,8 @@ class ModelRunner:
 
     def load_model(self) -> tuple[torch.nn.Module, object]:
         """The model, built on the device in its dtype, with its weights; and the drafter."""
-        config, default_dtype = self.config, torch.get_default_dtype()
+        config = self.config
+        default_dtype = torch.get_default_dtype()
         torch.manual_seed(config.seed)
         torch.set_default_dtype(self.dtype)
         try:
