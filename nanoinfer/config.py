@@ -77,18 +77,17 @@ class Config:
 
     def check_ranges(self) -> None:
         """Each number in its range, or a ValueError naming it."""
-        checks = [(name, is_int(getattr(self, name), 1), "an integer >= 1") for name in (
-            "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
-            "tensor_parallel_size", "pipeline_parallel_size")]
-        checks += [
-            ("max_logprobs", is_int(self.max_logprobs, 0), "an integer >= 0"),
-            ("num_kvcache_blocks", self.num_kvcache_blocks is None
-             or is_int(self.num_kvcache_blocks, 1), "None or an integer >= 1"),
-            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
-            ("load_format", self.load_format in ("auto", "dummy"), "'auto' or 'dummy'")]
-        for name, ok, why in checks:
-            if not ok:
-                raise ValueError(f"{name} must be {why}, got {getattr(self, name)!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
+                     "tensor_parallel_size", "pipeline_parallel_size"):
+            check_int(name, getattr(self, name), 1)
+        check_int("max_logprobs", self.max_logprobs, 0)
+        blocks = self.num_kvcache_blocks
+        require(blocks is None or is_int(blocks, 1),
+                f"num_kvcache_blocks must be None or an integer >= 1, got {blocks!r}")
+        require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1], "
+                f"got {self.gpu_memory_utilization!r}")
+        require(self.load_format in ("auto", "dummy"),
+                f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
 
     @property
     def world_size(self) -> int:
@@ -209,8 +208,9 @@ class KVTransferConfig:
         shared = spec.kv_connector == "SharedStorageConnector"
         require(shared or spec.kv_connector == "P2pConnector", "kv_connector must be "
                 f"'SharedStorageConnector' or 'P2pConnector', got {spec.kv_connector!r}")
-        roles = ("kv_producer", "kv_consumer", "kv_both") if shared else ("kv_producer",
-                                                                         "kv_consumer")
+        roles = ["kv_producer", "kv_consumer"]
+        if shared:   # (one engine that both saves and loads: through shared storage only)
+            roles.append("kv_both")
         require(spec.kv_role in roles,
                 f"kv_role must be one of {roles} for {spec.kv_connector}, got {spec.kv_role!r}")
         need, kind = ("shared_storage_path", str) if shared else ("kv_port", int)
