@@ -1,13 +1,14 @@
 """How to sample one request's output, and when to stop it (vLLM's fields, names and defaults).
 
 Every field is checked when the object is made, so a bad value is a ValueError that names the
-field, raised before any request is queued. The fields are keyword-only: `SamplingParams(0.5)` is
-an error rather than a temperature.
+field (a `ValidationError`, its `parameter` the field), raised before any request is queued. The
+fields are keyword-only: `SamplingParams(0.5)` is an error rather than a temperature.
 """
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from nanoinfer.exceptions import ValidationError
 from nanoinfer.utils import is_int
 
 
@@ -29,16 +30,16 @@ class GuidedDecodingParams:
     def __post_init__(self):
         given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError("GuidedDecodingParams needs exactly one of json, regex and choice, "
-                             f"got {given or 'none'}")
+            raise ValidationError("GuidedDecodingParams needs exactly one of json, regex and "
+                                  f"choice, got {given or 'none'}", parameter="guided_decoding")
         ok = {"json": isinstance(self.json, (dict, str)), "regex": isinstance(self.regex, str),
               "choice": isinstance(self.choice, list) and bool(self.choice)
               and all(isinstance(c, str) for c in self.choice)}[given[0]]
         if not ok:
             want = {"json": "a dict or a string", "regex": "a string",
                     "choice": "a non-empty list of strings"}
-            raise ValueError(f"GuidedDecodingParams.{given[0]} must be {want[given[0]]}, "
-                             f"got {getattr(self, given[0])!r}")
+            raise ValidationError(f"GuidedDecodingParams.{given[0]} must be {want[given[0]]}, "
+                                  f"got {getattr(self, given[0])!r}", parameter="guided_decoding")
 
 
 @dataclass(kw_only=True)
@@ -91,7 +92,8 @@ class SamplingParams:
             self.top_k = 0
         for name, ok, why in self.checks():
             if not ok:
-                raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+                raise ValidationError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}",
+                                      parameter=name)
         self.output_kind = RequestOutputKind(self.output_kind)
 
     def checks(self) -> list[tuple[str, bool, str]]:

@@ -620,7 +620,7 @@ def test_text_offsets_are_the_same_streamed_or_not(client):
 
 
 @pytest.mark.parametrize("route, fields, param", [
-    (COMPLETIONS, {"prompt_logprobs": 1}, "prompt_logprobs"),
+    (COMPLETIONS, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     (COMPLETIONS, {"guided_regex": "("}, "guided_regex"),
     (COMPLETIONS, {"guided_choice": []}, "guided_choice"),
     (COMPLETIONS, {"prompt": [5, 99999]}, "prompt"),

@@ -32,9 +32,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from nanoinfer.entrypoints.errors import error_body
 from nanoinfer.entrypoints.http import add_error_handlers
-from nanoinfer.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, check_fields,
-                                            error_body)
+from nanoinfer.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, check_fields
 
 NOT_FOR_PREFILL = ("stream", "stream_options", "min_tokens", "echo")   # (it makes one token)
 

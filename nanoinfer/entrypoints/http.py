@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from nanoinfer.entrypoints.protocol import APIError, error_body
+from nanoinfer.entrypoints.errors import APIError, error_body
 
 
 class RequestGuard:

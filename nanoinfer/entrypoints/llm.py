@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from nanoinfer.config import Config
 from nanoinfer.engine.input_processor import PromptType
 from nanoinfer.engine.llm_engine import LLMEngine
+from nanoinfer.exceptions import ValidationError
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -43,28 +44,23 @@ class LLM:
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and type(prompts[0]) is int):
+        # (each prompt and its params are checked by the engine's InputProcessor)
+        if not isinstance(prompts, (list, tuple)) or (prompts and type(prompts[0]) is int):
             prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError("prompts must be a str, a list of token ids, a dict with 'prompt' or '"
-                             f"prompt_token_ids', or a list of these; got {type(prompts).__name__}")
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
+        if not isinstance(sampling_params, (list, tuple)):
             sampling_params = [sampling_params] * len(prompts)
-        if not isinstance(sampling_params, (list, tuple)) or not all(
-                isinstance(sp, SamplingParams) for sp in sampling_params):
-            raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
-                             f"{type(sampling_params).__name__}")
         if (n := len(sampling_params)) != len(prompts):
-            raise ValueError(f"got {n} sampling params for {len(prompts)} prompts")
+            raise ValidationError(f"got {n} sampling params for {len(prompts)} prompts",
+                                  parameter="sampling_params")
         engine = self.llm_engine
         request_ids = []
         try:
             for prompt, params in zip(prompts, sampling_params):
                 request_ids.append(self.next_request_id())
-                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                if isinstance(params, SamplingParams):
+                    params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(request_ids[-1], prompt, params)
             return self.run_engine(request_ids, use_tqdm)
         # Nothing of this call stays queued: after an exception its requests are aborted (once
@@ -107,5 +103,5 @@ class LLM:
             try:
                 prompts.append(processor.chat_prompt(conversation, add_generation_prompt))
             except ValueError as e:
-                raise ValueError(f"conversation {i}: {e}") from None
+                raise ValidationError(f"conversation {i}: {e}", parameter="messages") from None
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -22,11 +22,11 @@ from fastapi.responses import Response, StreamingResponse
 
 from nanoinfer.engine.async_llm import LONG_TEXT, AsyncLLM
 from nanoinfer.engine.exceptions import EngineDeadError
+from nanoinfer.entrypoints.errors import APIError, api_error, error_body
 from nanoinfer.entrypoints.http import RequestGuard, add_error_handlers, until_disconnected
 from nanoinfer.entrypoints.metrics import ServerMetrics
-from nanoinfer.entrypoints.protocol import (APIError, ChatCompletionRequest, Chunker,
-                                            CompletionRequest, api_error, error_body, field_names,
-                                            sampling_params)
+from nanoinfer.entrypoints.protocol import (ChatCompletionRequest, Chunker, CompletionRequest,
+                                            StreamOptions, field_names, sampling_params)
 
 logger = logging.getLogger("nanoinfer")
 
@@ -123,8 +123,11 @@ class OpenAIServing:
         params = sampling_params(request, lens, chat, self.max_model_len)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         top_n = (request.top_logprobs or 0) if chat else request.logprobs
+        options = request.stream_options or StreamOptions()
+        usage = bool(options.include_usage)
         chunker = Chunker(request_id, self.model_name, chat, params.n, prompts, top_n,
-                          not chat and request.echo, self.tokenizer)
+                          not chat and request.echo, self.tokenizer,
+                          continuous_usage=usage and bool(options.continuous_usage_stats))
         streams = [self.engine.generate(prompt, params, f"{request_id}-{i}")
                    for i, prompt in enumerate(prompts)]
         outputs = engine_errors(merge(streams), field_names(request, chat), request_id)
@@ -139,7 +142,6 @@ class OpenAIServing:
         first = await until_disconnected(raw, outputs.__anext__())   # (a bad request: still a 400)
         if first is None:
             return Response(status_code=499)
-        usage = (request.stream_options or {}).get("include_usage")
         return StreamingResponse(events(first, outputs, chunker, usage, request_id),
                                  media_type="text/event-stream")
 

@@ -1,29 +1,37 @@
-"""The OpenAI API's shapes: the request bodies, their mapping to SamplingParams, the error body,
-and RequestOutputs as response objects (streamed chunks, or the whole answer).
+"""The OpenAI API's shapes: the request bodies, their mapping to SamplingParams, and
+RequestOutputs as response objects (streamed chunks, or the whole answer).
 
 Types are strict, as OpenAI's are (`"stream": "yes"` and `"seed": "5"` are 400s); a wrong type
-is pydantic's to find, a value the engine cannot take an `APIError`: either way a 400 naming the
-field (`param`) in OpenAI's body, `{"error": {"message", "type", "param", "code"}}`. Unknown
-fields are accepted (clients send new ones), but a known field that would change the answer if
-honoured and is not supported (`tools`, `suffix`, `best_of` > n, ...) is refused, never ignored.
-vLLM's extra fields are taken too: `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
-`guided_json` / `guided_regex` / `guided_choice`.
+is pydantic's to find, a value the engine cannot take an `APIError` (errors.py): either way a 400
+naming the field (`param`) in OpenAI's error body. Unknown fields are accepted (clients send new
+ones), but a known field that would change the answer if honoured and is not supported (`tools`,
+`suffix`, `best_of` > n, ...) is refused, never ignored. vLLM's extra fields are taken too:
+`ignore_eos`, `min_tokens`, `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
+`include_stop_str_in_output`, `skip_special_tokens`, `guided_json` / `guided_regex` /
+`guided_choice`, `prompt_logprobs` (not streamed, as in vLLM) and
+`stream_options.continuous_usage_stats` (with `include_usage`: usage in every chunk).
 """
-import re
+import dataclasses
 import time
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nanoinfer.entrypoints.errors import APIError, api_error
 from nanoinfer.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
-ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
 # fields we do not support, and the values of theirs that change nothing
 REFUSED = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
            "function_call": (None, "none", "auto"), "suffix": (None, ""), "guided_grammar": (None,),
-           "use_beam_search": (None, False), "audio": (None,), "modalities": (None, ["text"]),
-           "prompt_logprobs": (None,)}
+           "use_beam_search": (None, False), "audio": (None,), "modalities": (None, ["text"])}
+# a logit_bias key: a token id, as a string (JSON's keys are)
+TokenId = Annotated[str, Field(pattern="^[0-9]+$")]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False   # (vLLM's; only with include_usage)
 
 
 class SamplingFields(BaseModel):
@@ -41,9 +49,9 @@ class SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[TokenId, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     response_format: dict | None = None
     ignore_eos: bool = False   # vLLM's extra fields
     min_tokens: int = 0
@@ -53,6 +61,7 @@ class SamplingFields(BaseModel):
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -71,17 +80,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.param = status, param
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
 def check_fields(request) -> None:
     """The fields that must be refused rather than ignored, and those OpenAI only takes together."""
     given = request.model_extra or {}
@@ -93,12 +91,8 @@ def check_fields(request) -> None:
                        "best_of")
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
-    if not isinstance((request.stream_options or {}).get("include_usage", False), bool):
-        raise APIError(400, "stream_options.include_usage must be true or false", "stream_options")
-    if request.logit_bias and not all(re.fullmatch("[0-9]+", k) and -100 <= v <= 100
-                                      for k, v in request.logit_bias.items()):
-        raise APIError(400, "logit_bias maps token ids (integer strings) to numbers in [-100, 100],"
-                            f" got {request.logit_bias}", "logit_bias")
+    if request.stream and (request.prompt_logprobs or 0) > 0:   # (as in vLLM)
+        raise APIError(400, "prompt_logprobs are not streamed (stream: true)", "prompt_logprobs")
 
 
 def guided_decoding(request) -> GuidedDecodingParams | None:
@@ -152,7 +146,9 @@ def sampling_params(request, prompt_lens: list[int], chat: bool, max_model_len: 
     logprobs = request.logprobs
     if chat:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    echo = not chat and request.echo
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is None and not chat and request.echo:
+        prompt_logprobs = logprobs
     fields = {name: getattr(request, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "n", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
@@ -161,7 +157,7 @@ def sampling_params(request, prompt_lens: list[int], chat: bool, max_model_len: 
         return SamplingParams(
             **fields, max_tokens=max_tokens, stop=request.stop,
             stop_token_ids=request.stop_token_ids,
-            logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             guided_decoding=guided_decoding(request),
             logit_bias={int(k): v for k, v in (request.logit_bias or {}).items()} or None,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
@@ -173,26 +169,15 @@ def where(chat: bool) -> str:
     return "messages" if chat else "prompt"
 
 
-def api_error(error: ValueError, names: dict[str, str]) -> APIError:
-    """The engine's ValueError in the API's words: "SamplingParams.x" (GuidedDecodingParams':
-    the constraint's field) becomes the field's name; a prompt's, the prompt's."""
-    message = str(error)
-    m = re.search(r"(SamplingParams|GuidedDecodingParams)\.(\w+)", message)
-    if m is None:
-        about_prompt = re.match("(the |a )?prompt", message)
-        return APIError(400, message, names["prompt"] if about_prompt else None)
-    field = m.group(2) if m.group(1) == "SamplingParams" else "guided_decoding"
-    param = names.get(field, m.group(2))
-    return APIError(400, message.replace(m.group(0), param), param)
-
-
 class Chunker:
     """RequestOutputs as OpenAI's response objects: streamed chunks, or the whole answer. Choice
-    `i * n + j` is sample j of prompt i; `echo` puts each prompt (and its logprobs) first."""
+    `i * n + j` is sample j of prompt i; `echo` puts each prompt (and its logprobs) first;
+    `continuous_usage`: every chunk carries its choice's usage so far."""
 
     def __init__(self, request_id: str, model: str, chat: bool, n: int, prompts: list[dict],
-                 top_n: int | None, echo: bool, tokenizer):
+                 top_n: int | None, echo: bool, tokenizer, continuous_usage: bool = False):
         self.id, self.model, self.chat, self.n = request_id, model, chat, n
+        self.continuous_usage = continuous_usage
         self.created = int(time.time())
         self.prompts, self.top_n, self.echo, self.tokenizer = prompts, top_n, echo, tokenizer
         self.completion_tokens: dict[int, int] = {}   # per choice
@@ -260,20 +245,43 @@ class Chunker:
                 "top_logprobs": top, "text_offset": offsets}
 
     def usage(self) -> dict:
-        prompt_tokens, completion_tokens = sum(len(p["prompt_token_ids"]) for p in self.prompts), \
-            sum(self.completion_tokens.values())
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+        prompt_tokens = sum(len(p["prompt_token_ids"]) for p in self.prompts)
+        return usage(prompt_tokens, sum(self.completion_tokens.values())) | {
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
 
     def deltas(self, i: int, out) -> list[dict]:
         """One chunk per sample the output brings."""
-        return [self.head(".chunk" if self.chat else "")
-                | {"choices": [self.choice(i, out, c, True)], "usage": None} for c in out.outputs]
+        return [self.delta(i, out, c) for c in out.outputs]
+
+    def delta(self, i: int, out, c) -> dict:
+        choice = self.choice(i, out, c, True)
+        so_far = None
+        if self.continuous_usage:   # (vLLM's: the choice's prompt, and its tokens so far)
+            so_far = usage(len(out.prompt_token_ids), self.completion_tokens[choice["index"]])
+        return self.head(".chunk" if self.chat else "") | {"choices": [choice], "usage": so_far}
 
     def usage_chunk(self) -> dict:
         return self.head(".chunk" if self.chat else "") | {"choices": [], "usage": self.usage()}
 
     def final(self, outs: list) -> dict:
         choices = [self.choice(i, out, c, False) for i, out in enumerate(outs) for c in out.outputs]
-        return self.head() | {"choices": choices, "usage": self.usage()}
+        prompt_logprobs = [prompt_logprobs_body(entries) for entries in self.prompt_logprobs]
+        body = self.head() | {"choices": choices, "usage": self.usage()}
+        if self.chat:   # (where vLLM puts them: in a chat's response, in a completion's choices)
+            return body | {"prompt_logprobs": prompt_logprobs[0]}
+        for choice in choices:
+            choice["prompt_logprobs"] = prompt_logprobs[choice["index"] // self.n]
+        return body
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def prompt_logprobs_body(entries: list | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token (None for the first) {token id: {"logprob",
+    "rank", "decoded_token"}} (JSON writes the ids as strings)."""
+    if entries is None:
+        return None
+    return [e and {t: dataclasses.asdict(lp) for t, lp in e.items()} for e in entries]

@@ -1,0 +1,27 @@
+"""The server's errors, in OpenAI's body: `{"error": {"message", "type", "param", "code"}}`.
+
+`param` names the request's field at fault. The engine's own checks raise a `ValidationError`
+(nanoinfer/exceptions.py) that carries the parameter's name; `api_error` turns it into the field
+as the request named it (SamplingParams' `max_tokens` is a chat's `max_completion_tokens`, its
+`logprobs` a chat's `top_logprobs`, a prompt a chat's `messages`, ...).
+"""
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def api_error(error: ValueError, names: dict[str, str]) -> APIError:
+    """The engine's ValueError as a 400 naming the field its `parameter` is (names: the request's
+    names for SamplingParams' fields), in the API's words ("SamplingParams.x" becomes that name)."""
+    parameter = getattr(error, "parameter", None)
+    param = names.get(parameter, parameter)
+    return APIError(400, str(error).replace(f"SamplingParams.{parameter}", str(param)), param)

@@ -1,0 +1,15 @@
+"""The error of a bad request: a ValueError that names the parameter at fault.
+
+Raised wherever a request is validated (SamplingParams, GuidedDecodingParams, InputProcessor), so
+that a caller learns which parameter was wrong from `parameter`, not from the message's words: the
+server's error body takes its `param` from it (by the name the request gave that field).
+"""
+
+
+class ValidationError(ValueError):
+
+    def __init__(self, message: str, *, parameter: str):
+        super().__init__(message)
+        # A SamplingParams field ("temperature", "guided_decoding", ...), or "prompt", "messages",
+        # "request_id", "sampling_params".
+        self.parameter = parameter
