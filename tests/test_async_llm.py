@@ -87,11 +87,11 @@ def test_an_error_in_the_front_end_fails_the_requests_it_touched(engine, monkeyp
     if where == "a step":   # before any of the step's outputs is processed
         real = engine.output_processor.process_outputs
 
-        def broken(core_outputs):
+        def broken(core_outputs, *stats):
             if core_outputs and not broken_once:
                 broken_once.append(True)
                 raise RuntimeError("a bug in the front end")
-            return real(core_outputs)
+            return real(core_outputs, *stats)
         monkeypatch.setattr(engine.output_processor, "process_outputs", broken)
     else:   # half-way: the finished request is already forgotten when it raises
         real = RequestState.make_output

@@ -156,7 +156,8 @@ class SchedulerStats:
     """The core's load and cache, for a server's metrics and its load balancer: the fraction of
     blocks in use; counts since the start (prompt tokens looked up in the prefix cache and found
     there, requests received, sequences ended early by an abort or a stop string, preemptions);
-    the tokens of the steps since the last stats; a KV connector's counts, by name."""
+    a KV connector's counts, by name. (A step's tokens are counted by the front end, from its
+    outputs: engine/output_processor.py's IterationStats.)"""
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -165,5 +166,4 @@ class SchedulerStats:
     num_requests_added: int = 0
     num_aborted_seqs: int = 0
     num_preemptions: int = 0
-    num_step_tokens: int = 0
     kv_connector: dict = field(default_factory=dict)

@@ -30,6 +30,7 @@ from nanoinfer.engine.core_client import EngineCoreClient
 from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.engine.front_end import FrontEnd
 from nanoinfer.engine.input_processor import PromptType
+from nanoinfer.engine.output_processor import IterationStats
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -93,8 +94,8 @@ class AsyncLLM(FrontEnd):
         # The cores that died, and why.
         self.errors: dict[int, EngineDeadError] = {}
         self.inputs = ThreadPoolExecutor(1, thread_name_prefix="nanoinfer-inputs")
-        # a server's metrics: stat_logger(core rank, SchedulerStats or None, EngineCoreOutputs,
-        # RequestOutputs), after each step's outputs, and with the output of each aborted request
+        # a server's metrics: stat_logger(core rank, IterationStats), after each step's outputs,
+        # and for each aborted request (finished alone)
         self.stat_logger: Callable | None = None
         self.client = EngineCoreClient(self.config, self.on_message, data_parallel_size)
         weakref.finalize(self, self.client.shutdown)
@@ -138,10 +139,11 @@ class AsyncLLM(FrontEnd):
     def forget(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
         if request_id in self.output_processor.requests:
-            if self.stat_logger is not None:
-                aborted = self.output_processor.aborted_output(request_id)
-                self.stat_logger(self.client.owner.get(request_id, 0), None, [], [aborted])
+            state = self.output_processor.requests[request_id]
             self.client.abort(request_id, self.output_processor.remove_request(request_id))
+            if self.stat_logger is not None:
+                rank = self.client.owner.get(request_id, 0)
+                self.stat_logger(rank, IterationStats(finished=[state]))
         self.client.finished(request_id)
 
     def on_message(self, rank: int, message: tuple) -> None:
@@ -167,9 +169,10 @@ class AsyncLLM(FrontEnd):
         seqs = self.output_processor.seqs
         touched = {seqs[o.seq_id][0].request_id for o in message[1] if o.seq_id in seqs}
         try:
-            outputs, stopped = self.output_processor.process_outputs(message[1])
-            if self.stat_logger is not None:
-                self.stat_logger(rank, message[2], message[1], outputs)
+            stats = None if self.stat_logger is None else IterationStats()
+            outputs, stopped = self.output_processor.process_outputs(message[1], stats)
+            if stats is not None:
+                self.stat_logger(rank, stats)
             # A sequence that a stop string ended goes on in the core, which has not seen that.
             for seq_id, _ in stopped:
                 self.client.send(rank, ("abort", [seq_id]))

@@ -100,7 +100,7 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(tokenizer, config.hf_config.vocab_size,
                                                          config.eos_token_ids)
         self.in_flight = StepsInFlight(self.scheduler, config)
-        # The last step's tokens (for progress bars and stats), and counts since the start.
+        # The last step's tokens (for progress bars), and counts since the start.
         self.num_prefill_tokens = self.num_decode_tokens = 0
         self.num_requests_added = self.num_aborted_seqs = 0
         # The hundreds of thousands of objects start-up made (modules, the tokenizer, parameters)
@@ -163,19 +163,13 @@ class EngineCore:
         return []
 
     def stats(self) -> SchedulerStats:
+        """The core's load and counts now (reading them changes nothing)."""
         bm = self.scheduler.block_manager
         return SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting),
                               1 - bm.num_free_blocks / bm.num_blocks, bm.num_prefix_query_tokens,
                               bm.num_prefix_hit_tokens, self.num_requests_added,
                               self.num_aborted_seqs, self.scheduler.num_preemptions,
-                              self.step_tokens(),
                               self.kv_connector.stats() if self.kv_connector else {})
-
-    def step_tokens(self) -> int:
-        """The tokens the last step computed, counted once (an idle core reports 0)."""
-        tokens, self.num_prefill_tokens, self.num_decode_tokens = \
-            self.num_prefill_tokens + self.num_decode_tokens, 0, 0
-        return tokens
 
     def abort_all(self) -> None:
         """Abort every request. A step cut off half-way may have entered blocks in the prefix

@@ -68,7 +68,8 @@ def run_engine_core(config: Config, conn) -> None:
     try:
         from nanoinfer.engine.front_end import load_tokenizer
         core = EngineCore(config, load_tokenizer(config))
-        conn.send(("ready", None))
+        # Ready, with its number of KV-cache blocks (the server's metrics report it).
+        conn.send(("ready", core.scheduler.block_manager.num_blocks))
         while True:
             while conn.poll(0):
                 if not handle(*conn.recv()):
@@ -147,10 +148,9 @@ class EngineCoreClient:
         for rank in range(data_parallel_size):
             threading.Thread(target=self.write, args=(rank,), daemon=True,
                              name=f"nanoinfer-core-writer-{rank}").start()
-        # Wait for every core to start (and stop them on Ctrl-C meanwhile).
+        # Wait for every core to start (and stop them on Ctrl-C meanwhile): each one's KV blocks.
         try:
-            for rank in range(data_parallel_size):
-                self.wait_until_ready(rank)
+            self.num_gpu_blocks = [self.wait_until_ready(r) for r in range(data_parallel_size)]
         except BaseException:
             self.shutdown()
             raise
@@ -162,8 +162,9 @@ class EngineCoreClient:
         self.reader = threading.Thread(target=self.read, name="nanoinfer-core-reader", daemon=True)
         self.reader.start()
 
-    def wait_until_ready(self, rank: int) -> None:
-        """Until core `rank` has started; a RuntimeError saying why if it failed to."""
+    def wait_until_ready(self, rank: int) -> int:
+        """Until core `rank` has started: its number of KV-cache blocks; a RuntimeError saying why
+        if it failed to."""
         try:
             conn = self.conns[rank]
             message = conn.recv() if conn.poll(600) else ("dead", "it did not start in 10 minutes")
@@ -172,6 +173,7 @@ class EngineCoreClient:
             message = ("dead", f"it exited (exit code {self.procs[rank].exitcode})")
         if message[0] != "ready":
             raise RuntimeError(f"engine core {rank} failed to start:\n{message[1]}")
+        return message[1]
 
     def add_request(self, request: EngineCoreRequest) -> None:
         live = [r for r in range(len(self.conns)) if self.alive[r]]

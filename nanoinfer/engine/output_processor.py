@@ -12,6 +12,7 @@ sequence of its own; it finishes when all of them have.
 """
 import dataclasses
 import time
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
@@ -106,9 +107,10 @@ class RequestState:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  output_kind: RequestOutputKind, completions: list[CompletionState],
-                 seq_ids: list[int]):
+                 seq_ids: list[int], max_tokens: int):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.output_kind, self.completions, self.seq_ids = output_kind, completions, seq_ids
+        self.max_tokens = max_tokens
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.num_cached_tokens = 0
         # the prompt's logprobs, which come with its first tokens (a DELTA output brings them once)
@@ -134,6 +136,22 @@ class RequestState:
                              finished, self.num_cached_tokens, self.metrics, prompt_logprobs)
 
 
+@dataclass
+class IterationStats:
+    """What one step's outputs brought, counted as vLLM counts them for a server's metrics: the
+    prompt tokens of the sequences whose first tokens came (a prompt counts once it has been
+    computed), the tokens generated, and the requests that finished."""
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    finished: list[RequestState] = field(default_factory=list)
+
+    def update(self, out: EngineCoreOutput, state: RequestState, completion: CompletionState):
+        """Count a sequence's output, before its completion takes the tokens."""
+        if out.new_token_ids and not completion.token_ids:
+            self.num_prompt_tokens += len(state.prompt_token_ids)
+        self.num_generation_tokens += len(out.new_token_ids)
+
+
 class OutputProcessor:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
@@ -151,7 +169,8 @@ class OutputProcessor:
         completions = [CompletionState(i, p, prompt_token_ids, self.tokenizer)
                        for i, p in enumerate(params)]
         state = RequestState(request.request_id, prompt, list(prompt_token_ids),
-                             params[0].output_kind, completions, request.seq_ids)
+                             params[0].output_kind, completions, request.seq_ids,
+                             max_tokens=request.max_tokens)
         self.requests[request.request_id] = state
         for seq_id, completion in zip(request.seq_ids, completions):
             self.seqs[seq_id] = state, completion
@@ -172,16 +191,19 @@ class OutputProcessor:
             self.seqs.pop(seq_id, None)
         return state.seq_ids
 
-    def process_outputs(self, core_outputs: list[EngineCoreOutput]
+    def process_outputs(self, core_outputs: list[EngineCoreOutput],
+                        stats: IterationStats | None = None
                         ) -> tuple[list[RequestOutput], list[tuple[int, str]]]:
         """The step's RequestOutputs, and the sequences that a stop string ended (seq_id,
-        string)."""
+        string); with `stats`, the step counted there."""
         touched, stopped, now = {}, [], time.time()
         for out in core_outputs:
             if out.seq_id not in self.seqs:
                 # Ended here (aborted, a stop string) while its step ran.
                 continue
             state, completion = self.seqs[out.seq_id]
+            if stats is not None:
+                stats.update(out, state, completion)
             stop_string = completion.update(out)
             if stop_string is not None and out.finish_reason is None:
                 stopped.append((out.seq_id, stop_string))
@@ -210,6 +232,8 @@ class OutputProcessor:
             if finished := state.finished:
                 state.metrics.finished_time = now
                 del self.requests[state.request_id]
+                if stats is not None:
+                    stats.finished.append(state)
             if (output := state.make_output(finished)) is not None:
                 outputs.append(output)
         return outputs, stopped
