@@ -70,9 +70,11 @@ class RequestOutput:
             m.token_ids += c.token_ids
             if m.logprobs is not None:
                 m.logprobs += c.logprobs
-            m.cumulative_logprob, m.finish_reason = c.cumulative_logprob, c.finish_reason
+            m.cumulative_logprob = c.cumulative_logprob
+            m.finish_reason = c.finish_reason
             m.stop_reason = c.stop_reason
         self.outputs.sort(key=lambda c: c.index)
-        self.finished, self.metrics = later.finished, later.metrics
+        self.finished = later.finished
+        self.metrics = later.metrics
         self.num_cached_tokens = later.num_cached_tokens
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs

@@ -58,7 +58,8 @@ class RequestStream:
     async def get(self) -> RequestOutput:
         await self.ready.wait()
         self.ready.clear()
-        out, self.output = self.output, None
+        out = self.output
+        self.output = None
         if isinstance(out, BaseException):
             raise out
         return out

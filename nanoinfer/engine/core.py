@@ -52,7 +52,8 @@ class StepsInFlight:
     batch queue): async scheduling's one, or one per pipeline stage."""
 
     def __init__(self, scheduler: Scheduler, config: Config):
-        self.scheduler, self.steps = scheduler, deque()
+        self.scheduler = scheduler
+        self.steps = deque()
         pp = config.pipeline_parallel_size
         self.max_steps = pp if pp > 1 else int(config.async_scheduling)
         # Pipelined steps in flight hold disjoint sequences.
@@ -84,7 +85,8 @@ class StepsInFlight:
 class EngineCore:
 
     def __init__(self, config: Config, tokenizer=None):
-        self.config, one_rank = config, config.world_size == 1
+        self.config = config
+        one_rank = config.world_size == 1
         # The KV connector: one rank's serves the worker too; with several, each has its own.
         self.kv_connector = make_kv_connector(config, 0 if one_rank else None)
         # The model runs here (one process, one device) or on model-parallel ranks (executor/),

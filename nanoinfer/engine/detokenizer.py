@@ -19,7 +19,8 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
                  params: SamplingParams):
-        self.tokenizer, self.params = tokenizer, params
+        self.tokenizer = tokenizer
+        self.params = params
         # a few prompt tokens of context, so the first output token decodes as it would in the text
         self.token_ids = list(prompt_token_ids[-5:])
         self.prefix_offset, self.read_offset = 0, len(self.token_ids)

@@ -27,7 +27,8 @@ NO_TOKENIZER = "the engine was started with skip_tokenizer_init"
 class InputProcessor:
 
     def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase | None):
-        self.config, self.tokenizer = config, tokenizer
+        self.config = config
+        self.tokenizer = tokenizer
         self.seq_counter = count()
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None

@@ -39,8 +39,9 @@ class LLMEngine(FrontEnd):
         self.engine_core = EngineCore(config, self.tokenizer)
         # The core's parts, for tests and bench.py's timers.
         core = self.engine_core
-        self.scheduler, self.model_executor, self.structured_output = \
-            core.scheduler, core.model_executor, core.structured_output
+        self.scheduler = core.scheduler
+        self.model_executor = core.model_executor
+        self.structured_output = core.structured_output
         # What killed the engine, if anything did.
         self.error: BaseException | None = None
 

@@ -28,7 +28,9 @@ class CompletionState:
 
     def __init__(self, index: int, params: SamplingParams, prompt_token_ids: list[int],
                  tokenizer: PreTrainedTokenizerBase | None):
-        self.index, self.params, self.tokenizer = index, params, tokenizer
+        self.index = index
+        self.params = params
+        self.tokenizer = tokenizer
         self.detokenizer = None if tokenizer is None else \
             IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
         self.token_ids: list[int] = []
@@ -108,8 +110,12 @@ class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  output_kind: RequestOutputKind, completions: list[CompletionState],
                  seq_ids: list[int], max_tokens: int):
-        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
-        self.output_kind, self.completions, self.seq_ids = output_kind, completions, seq_ids
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.output_kind = output_kind
+        self.completions = completions
+        self.seq_ids = seq_ids
         self.max_tokens = max_tokens
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.num_cached_tokens = 0
@@ -165,7 +171,8 @@ class OutputProcessor:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use by a live "
                              "request")
-        params, prompt_token_ids = request.params, request.prompt_token_ids
+        params = request.params
+        prompt_token_ids = request.prompt_token_ids
         completions = [CompletionState(i, p, prompt_token_ids, self.tokenizer)
                        for i, p in enumerate(params)]
         state = RequestState(request.request_id, prompt, list(prompt_token_ids),
@@ -196,7 +203,9 @@ class OutputProcessor:
                         ) -> tuple[list[RequestOutput], list[tuple[int, str]]]:
         """The step's RequestOutputs, and the sequences that a stop string ended (seq_id,
         string); with `stats`, the step counted there."""
-        touched, stopped, now = {}, [], time.time()
+        touched = {}
+        stopped = []
+        now = time.time()
         for out in core_outputs:
             if out.seq_id not in self.seqs:
                 # Ended here (aborted, a stop string) while its step ran.

@@ -11,7 +11,8 @@ ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invali
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.param = status, param
+        self.status = status
+        self.param = param
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

@@ -29,7 +29,8 @@ class RequestGuard:
     stream). A body sent in chunks without a length that passes the limit is cut off."""
 
     def __init__(self, app, api_key: str | None, max_request_bytes: int | None):
-        self.app, self.max_bytes = app, max_request_bytes
+        self.app = app
+        self.max_bytes = max_request_bytes
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
@@ -39,14 +40,16 @@ class RequestGuard:
         headers = dict(scope["headers"])
         if root and path.startswith(root):   # (the route's path: under a mount or --root-path)
             path = path[len(root):]
-        status, key = 0, headers.get(b"authorization")
+        status = 0
+        key = headers.get(b"authorization")
         if self.expected and path.startswith("/v1") and key != self.expected:
             status, message = 401, "missing or wrong API key"
         elif self.max_bytes and int(headers.get(b"content-length", b"0") or 0) > self.max_bytes:
             status, message = 413, f"the request body is larger than {self.max_bytes:,} bytes"
         if status:
             return await JSONResponse(error_body(status, message), status)(scope, receive, send)
-        received, refused = 0, False
+        received = 0
+        refused = False
 
         async def limited():   # a body without a length: counted as it comes
             nonlocal received, refused

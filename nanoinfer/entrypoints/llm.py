@@ -75,7 +75,8 @@ class LLM:
         return rid
 
     def run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        engine, outputs = self.llm_engine, {}
+        engine = self.llm_engine
+        outputs = {}
         wanted = set(request_ids)
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
                    disable=not use_tqdm or not sys.stderr.isatty())

@@ -38,7 +38,8 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKEN_BUCKETS = tuple(2**i for i in range(16))
 LABELS = ["model_name", "engine"]
-GAUGE, COUNTER = GaugeMetricFamily, CounterMetricFamily
+GAUGE = GaugeMetricFamily
+COUNTER = CounterMetricFamily
 CORE_METRICS = [   # (family, name, help, the field of SchedulerStats)
     (GAUGE, "vllm:num_requests_running", "Requests running", "num_running"),
     (GAUGE, "vllm:num_requests_waiting", "Requests waiting", "num_waiting"),
@@ -67,7 +68,8 @@ class EngineCollector:
     """Each core's load, prefix cache and preemptions, read at scrape time."""
 
     def __init__(self, engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+        self.engine = engine
+        self.model_name = model_name
 
     def collect(self):
         families = [(kind(name, doc, labels=LABELS), field)
@@ -100,7 +102,8 @@ class EngineCollector:
 class ServerMetrics:
 
     def __init__(self, engine, model_name: str):
-        self.registry, self.model_name = prom.CollectorRegistry(), model_name
+        self.registry = prom.CollectorRegistry()
+        self.model_name = model_name
         self.registry.register(EngineCollector(engine, model_name))
         def metric(kind, name: str, doc: str, labels=LABELS, **kwargs):
             return kind(name, doc, labels, registry=self.registry, **kwargs)

@@ -64,7 +64,9 @@ class OpenAIServing:
     """What the routes do: a request's prompts tokenized, run, and answered in OpenAI's shapes."""
 
     def __init__(self, engine: AsyncLLM, model_name: str):
-        self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
         self.metrics = ServerMetrics(engine, model_name)
         engine.stat_logger = self.metrics.record

@@ -176,14 +176,21 @@ class Chunker:
 
     def __init__(self, request_id: str, model: str, chat: bool, n: int, prompts: list[dict],
                  top_n: int | None, echo: bool, tokenizer, continuous_usage: bool = False):
-        self.id, self.model, self.chat, self.n = request_id, model, chat, n
+        self.id = request_id
+        self.model = model
+        self.chat = chat
+        self.n = n
         self.continuous_usage = continuous_usage
         self.created = int(time.time())
-        self.prompts, self.top_n, self.echo, self.tokenizer = prompts, top_n, echo, tokenizer
+        self.prompts = prompts
+        self.top_n = top_n
+        self.echo = echo
+        self.tokenizer = tokenizer
         self.completion_tokens: dict[int, int] = {}   # per choice
         self.offsets: dict[int, int] = {}   # per choice: the length of its tokens' texts so far
         # per prompt: its tokens found in the prefix cache, or loaded (kv_transfer/); its logprobs
-        self.cached_tokens, self.prompt_logprobs = [0] * len(prompts), [None] * len(prompts)
+        self.cached_tokens = [0] * len(prompts)
+        self.prompt_logprobs = [None] * len(prompts)
 
     def head(self, suffix: str = "") -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -191,7 +198,8 @@ class Chunker:
                 "model": self.model}
 
     def choice(self, i: int, out, c, delta: bool) -> dict:
-        index, self.cached_tokens[i] = i * self.n + c.index, out.num_cached_tokens
+        index = i * self.n + c.index
+        self.cached_tokens[i] = out.num_cached_tokens
         first = index not in self.completion_tokens
         self.completion_tokens[index] = self.completion_tokens.get(index, 0) + len(c.token_ids)
         self.prompt_logprobs[i] = self.prompt_logprobs[i] or out.prompt_logprobs   # (sent once)

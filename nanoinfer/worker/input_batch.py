@@ -177,8 +177,10 @@ class InputBatch(SamplingInputs):
         # a request samples when its step reaches its last token (known, or in flight)
         sample = end >= self.num_tokens[rows]
         sample_seq_ids = [s for s, x in zip(seq_ids, sample) if x]
-        logits_indices, sample_rows, sample_ends = cu_seqlens_q[1:][sample] - 1, rows[sample], \
-            end[sample]
+        # (the index of each sampling request's last token; its row; where its step ends)
+        logits_indices = cu_seqlens_q[1:][sample] - 1
+        sample_rows = rows[sample]
+        sample_ends = end[sample]
         num_drafts = self.num_drafts(sched, seq_ids)
         # A request with k drafts samples at its last k + 1 positions.
         if num_drafts is not None:
