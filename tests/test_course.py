@@ -1,6 +1,7 @@
 """The course is gradable: for every assignment, `start` blanks it and the engine still imports,
-`check` then fails every criterion (each on the blanked code's NotImplementedError), `reset` puts
-back exactly the committed files, and `check` then scores 100.
+`check` then fails every criterion (the blanked code raising its NotImplementedError), `reset`
+puts back exactly the committed files, and `check` then scores 100. Assignments that blank no
+file in common are started together and graded in one process, blanked and then restored.
 
 It runs the grader's own commands, as a student would, in a copy of the project committed to a
 git repository of its own (so the tree under test is never touched).
@@ -53,32 +54,40 @@ def copies(tmp_path_factory) -> list[str]:
     return [make_copy(str(tmp_path_factory.mktemp("course") / "project")) for _ in range(2)]
 
 
+def sections(output: str) -> dict[int, str]:
+    """A check's report, by assignment."""
+    parts = re.split(r"^assignment (\d+): ", output, flags=re.M)
+    return {int(n): section for n, section in zip(parts[1::2], parts[2::2])}
+
+
 def prove(copy: str, numbers: list[int]) -> dict[int, dict]:
-    """start, check, reset and git status of each assignment in turn; then one check of them
-    all. The grader's outputs, by assignment."""
-    out = {}
-    for n in numbers:
-        started = course(copy, "start", str(n))
-        checked = course(copy, "check", str(n)) if started.returncode == 0 else None
-        reset = course(copy, "reset", str(n))
-        out[n] = dict(started=started, checked=checked, reset=reset,
-                      status=git(copy, "status", "--porcelain"))
+    """Start every assignment of `numbers` (no two of them blank the same file), check them all
+    blanked in one process, reset each and take git status, then check them all again: the
+    grader's outputs, by assignment. One process grades them all, blanked and then restored."""
+    started = {n: course(copy, "start", str(n)) for n in numbers}
+    blanked = course(copy, "check", *map(str, numbers))
+    reset = {n: course(copy, "reset", str(n)) for n in numbers}
+    status = git(copy, "status", "--porcelain")
     final = course(copy, "check", *map(str, numbers))
-    sections = re.split(r"^assignment (\d+): ", final.stdout, flags=re.M)
-    for n, section in zip(sections[1::2], sections[2::2]):
-        out[int(n)]["final"] = section
-    for n in numbers:
-        out[n]["final_rc"] = final.returncode
-    return out
+    blanked_sections = sections(blanked.stdout)
+    final_sections = sections(final.stdout)
+    return {n: dict(started=started[n], checked=blanked, blanked=blanked_sections.get(n, ""),
+                    reset=reset[n], status=status, final=final_sections.get(n, ""),
+                    final_rc=final.returncode) for n in numbers}
 
 
 @pytest.fixture(scope="module")
 def proofs(copies) -> dict[int, dict]:
-    """Every assignment proved, half in each copy, the two halves at once (two CPU cores)."""
+    """Every assignment proved, half in each copy, the two halves at once (two CPU cores).
+    Assignments 2 and 3 blank the same file: they fall in different halves."""
     numbers = [a.number for a in ASSIGNMENTS]
+    halves = [numbers[0::2], numbers[1::2]]
+    for half in halves:
+        files = [path for n in half for path in get(n).files]
+        assert len(files) == len(set(files)), f"assignments {half} share a file"
     with ThreadPoolExecutor(2) as pool:
-        halves = pool.map(prove, copies, [numbers[0::2], numbers[1::2]])
-    return {n: proof for half in halves for n, proof in half.items()}
+        proved = pool.map(prove, copies, halves)
+    return {n: proof for half in proved for n, proof in half.items()}
 
 
 def criteria(output: str) -> list[tuple[str, str]]:
@@ -91,11 +100,11 @@ def test_blanked_assignment_fails_every_criterion(proofs, number):
     started, checked = proof["started"], proof["checked"]
     # `start` imports the engine and the blanked modules, and undoes itself if that fails.
     assert started.returncode == 0, started.stdout + started.stderr
-    found = criteria(checked.stdout)
+    found = criteria(proof["blanked"])
     assert checked.returncode != 0
     assert found and all(outcome == "FAIL" for outcome, _ in found), checked.stdout
     assert f"NotImplementedError: assignment {number}: write" in checked.stdout
-    assert "score: 0/100" in checked.stdout
+    assert "score: 0/100" in proof["blanked"]
     assert proof["reset"].returncode == 0, proof["reset"].stdout
     # `reset` put back exactly the committed files.
     assert proof["status"] == ""
@@ -103,7 +112,7 @@ def test_blanked_assignment_fails_every_criterion(proofs, number):
 
 @pytest.mark.parametrize("number", [a.number for a in ASSIGNMENTS])
 def test_reset_assignment_scores_100(proofs, number):
-    section = proofs[number].get("final", "")
+    section = proofs[number]["final"]
     found = criteria(section)
     assert found and all(outcome == "pass" for outcome, _ in found), section
     assert "score: 100/100" in section
