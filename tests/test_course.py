@@ -1,7 +1,8 @@
 """The course is gradable: for every assignment, `start` blanks it and the engine still imports,
 `check` then fails every criterion (the blanked code raising its NotImplementedError), `reset`
-puts back exactly the committed files, and `check` then scores 100. Assignments that blank no
-file in common are started together and graded in one process, blanked and then restored.
+puts back exactly the committed files, and `check` then scores 100. The assignments that no
+engine run needs are started together and graded blanked in one process; each half of the
+course is graded restored in one process.
 
 It runs the grader's own commands, as a student would, in a copy of the project committed to a
 git repository of its own (so the tree under test is never touched).
@@ -60,20 +61,33 @@ def sections(output: str) -> dict[int, str]:
     return {int(n): section for n, section in zip(parts[1::2], parts[2::2])}
 
 
+# Blanked, each of these takes out a piece that every engine run needs (the block manager, the
+# scheduler, the torch attention the CPU runs, sampling, detokenizing, the linear layers' weight
+# loading): another assignment's criteria would fail on it before reaching their own code. The
+# others are started together and graded in one process.
+NEEDED_BY_EVERY_RUN = {1, 2, 3, 4, 6, 7, 8}
+
+
 def prove(copy: str, numbers: list[int]) -> dict[int, dict]:
-    """Start every assignment of `numbers` (no two of them blank the same file), check them all
-    blanked in one process, reset each and take git status, then check them all again: the
-    grader's outputs, by assignment. One process grades them all, blanked and then restored."""
-    started = {n: course(copy, "start", str(n)) for n in numbers}
-    blanked = course(copy, "check", *map(str, numbers))
-    reset = {n: course(copy, "reset", str(n)) for n in numbers}
-    status = git(copy, "status", "--porcelain")
+    """For each group of `numbers`: start its assignments, check them blanked in one process,
+    reset each and take git status; then check all of `numbers` again in one process. The
+    grader's outputs, by assignment."""
+    alone = [[n] for n in numbers if n in NEEDED_BY_EVERY_RUN]
+    together = [n for n in numbers if n not in NEEDED_BY_EVERY_RUN]
+    out = {}
+    for group in alone + ([together] if together else []):
+        started = {n: course(copy, "start", str(n)) for n in group}
+        blanked = course(copy, "check", *map(str, group))
+        reset = {n: course(copy, "reset", str(n)) for n in group}
+        status = git(copy, "status", "--porcelain")
+        blanked_sections = sections(blanked.stdout)
+        for n in group:
+            out[n] = dict(started=started[n], checked=blanked, blanked=blanked_sections.get(n, ""),
+                          reset=reset[n], status=status)
     final = course(copy, "check", *map(str, numbers))
-    blanked_sections = sections(blanked.stdout)
-    final_sections = sections(final.stdout)
-    return {n: dict(started=started[n], checked=blanked, blanked=blanked_sections.get(n, ""),
-                    reset=reset[n], status=status, final=final_sections.get(n, ""),
-                    final_rc=final.returncode) for n in numbers}
+    for n, section in sections(final.stdout).items():
+        out[n].update(final=section, final_rc=final.returncode)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +126,11 @@ def test_blanked_assignment_fails_every_criterion(proofs, number):
 
 @pytest.mark.parametrize("number", [a.number for a in ASSIGNMENTS])
 def test_reset_assignment_scores_100(proofs, number):
-    section = proofs[number]["final"]
+    section = proofs[number].get("final", "")
     found = criteria(section)
     assert found and all(outcome == "pass" for outcome, _ in found), section
     assert "score: 100/100" in section
-    assert proofs[number]["final_rc"] == 0
+    assert proofs[number].get("final_rc") == 0
 
 
 @pytest.mark.parametrize("number", [a.number for a in ASSIGNMENTS])
