@@ -11,8 +11,8 @@ Next to the result it prints the roofline for the same workload: the bytes that 
 (every weight once per decode step, every cached K/V entry once per token that attends to it)
 over the measured HBM bandwidth, and the FLOPs over the measured matmul peak.
 
-The workload runs three times (a cold prefix cache each time) and the median counts; the first
-run is printed beside it, since a user runs a workload once. It also
+The workload runs three times on a GPU (a cold prefix cache each time; `--runs N`) and the median
+counts; the first run is printed beside it, since a user runs a workload once. It also
 breaks a step down: the host's phases (scheduling, building inputs, waiting for the sampled
 tokens, bookkeeping) and the GPU's busy time (CUDA events), averaged over all steps.
 
@@ -49,8 +49,9 @@ server on GPU 1 with a P2pConnector between them and the proxy in front (kv_tran
 Structured output: `--guided-json [FILE]` makes every request follow a JSON schema (bench.py's
 typical one without FILE); `--tokenizer DIR` gives a random-weight shape a real tokenizer.
 
-On a machine without CUDA it scales itself down (a few short prompts) so it ends in about a
-minute, and says so; the roofline is only printed on a GPU.
+On a machine without CUDA it scales itself down (a few short prompts, one run), and says so: about
+35 s of CPU time, so about a minute on two free cores and more on busy ones (3 minutes were seen);
+the roofline is only printed on a GPU.
 """
 import argparse
 import asyncio
@@ -770,8 +771,8 @@ def main():
         args.input_len, args.output_len = 64, 8
     elif not on_gpu:
         print("No CUDA device: scaled down to 8 prompts of <= 256 tokens and <= 32 output tokens on "
-              f"{CPU_LAYERS} of the model's layers, so it ends within a minute. CPU numbers say nothing "
-              "about GPU throughput.")
+              f"{CPU_LAYERS} of the model's layers, one run (about 35 s of CPU time). CPU numbers say "
+              "nothing about GPU throughput.")
         args.num_seqs, args.max_input_len, args.max_output_len = 8, 256, 32
     kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
@@ -861,8 +862,9 @@ def main():
         print(f"run {run + 1}: {rate(output_tokens / times[-1])} output tok/s" + bool(stalls) * (
             " (Triton compiled during it: " + ", ".join(f"{n} x {k}" for k, n in stalls.items()) + ")"))
     elapsed = statistics.median(times)
+    runs = f"median of {args.runs} runs" if args.runs > 1 else "1 run"
     print(f"{args.num_seqs} seqs, {input_tokens} input + {output_tokens} output tokens in {elapsed:.2f} s "
-          f"(median of {args.runs} runs): {rate(output_tokens / elapsed)} output tok/s, "
+          f"({runs}): {rate(output_tokens / elapsed)} output tok/s, "
           f"{rate((input_tokens + output_tokens) / elapsed)} total tok/s")
     if args.runs > 1:   # what a user who runs the workload once gets
         print(f"first run: {rate(output_tokens / times[0])} output tok/s, "

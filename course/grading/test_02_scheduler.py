@@ -18,14 +18,12 @@ from collections import deque
 from conftest import hf_greedy, random_prompts
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from scheduling import BS, next_token, request, scheduler_of, tokens
+from scheduling import BS, request, run_workload, sample, scheduler_of, tokens
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.core.messages import ModelRunnerOutput, SchedulerOutput
-from nanoinfer.core.scheduler import Scheduler
+from nanoinfer.core.messages import SchedulerOutput
 from nanoinfer.core.sequence import Sequence
 
-MAX_STEPS = 2000  # a workload that takes longer has stopped making progress
 PROPERTY = settings(max_examples=30, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 # A workload: requests, each (the step it arrives before, prompt length, max_tokens); and a
@@ -33,36 +31,6 @@ PROPERTY = settings(max_examples=30, deadline=None, derandomize=True,
 WORKLOADS = st.lists(st.tuples(st.integers(0, 6), st.integers(1, 40), st.integers(1, 5)),
                      min_size=1, max_size=8)
 SMALL = [(0, 30, 3), (0, 5, 2), (2, 9, 2)]
-
-
-def sample(scheduler: Scheduler, out: SchedulerOutput) -> list[int]:
-    """The runner's half of a step: each scheduled sequence whose step reaches the end of its
-    known tokens samples one token, which the scheduler takes. Returns their ids."""
-    seqs = [scheduler.requests[seq_id] for seq_id in out.num_scheduled_tokens]
-    sampled = [seq for seq in seqs if seq.num_computed_tokens >= seq.num_tokens]
-    scheduler.update_from_output(ModelRunnerOutput(
-        seq_ids=[seq.seq_id for seq in sampled],
-        sampled_token_ids=[[next_token(seq.token_ids)] for seq in sampled]))
-    return [seq.seq_id for seq in sampled]
-
-
-def run_workload(scheduler: Scheduler, workload, on_step) -> list[Sequence]:
-    """Step until every request of `workload` is done; `on_step(out, arrived)` sees each step's
-    message before the runner's half, and the requests added just before it."""
-    pending, seqs = deque(sorted(workload, key=lambda r: r[0])), []
-    for step in range(MAX_STEPS):
-        arrived = []
-        while pending and pending[0][0] <= step:
-            _, prompt_len, max_tokens = pending.popleft()
-            arrived.append(request(tokens(prompt_len, seed=len(seqs) + len(arrived)), max_tokens))
-            scheduler.add(arrived[-1])
-        seqs += arrived
-        if not pending and not scheduler.requests:
-            return seqs
-        out = scheduler.schedule()
-        on_step(out, arrived)
-        sample(scheduler, out)
-    raise AssertionError(f"the requests were not done after {MAX_STEPS} steps")
 
 
 class Plan:

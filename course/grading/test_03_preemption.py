@@ -12,21 +12,16 @@ The unit criteria drive a `Scheduler` directly, without a model: a stand-in for 
 "samples" a token for every sequence whose step reaches the end of its known tokens (a fixed
 function of the tokens before it), as the engine core does without async scheduling.
 """
-from collections import deque
-
 import pytest
 from conftest import hf_greedy, random_prompts
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from scheduling import BS, next_token, request, scheduler_of, tokens
+from scheduling import BS, next_token, request, run_workload, sample, scheduler_of, tokens
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.core.messages import ModelRunnerOutput, SchedulerOutput
 from nanoinfer.core.scheduler import Scheduler
 from nanoinfer.core.sequence import Sequence, SequenceStatus
-
-MAX_STEPS = 3000  # a workload that takes longer has stopped making progress
-
 
 def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
     """What the stand-in model generates for `prompt`, however the steps are cut."""
@@ -34,17 +29,6 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
     for _ in range(max_tokens):
         token_ids.append(next_token(token_ids))
     return token_ids[len(prompt):]
-
-
-def sample(scheduler: Scheduler, out: SchedulerOutput) -> list[int]:
-    """The runner's half of a step: each scheduled sequence whose step reaches the end of its
-    known tokens samples one token, which the scheduler takes. Returns their ids."""
-    seqs = [scheduler.requests[seq_id] for seq_id in out.num_scheduled_tokens]
-    sampled = [seq for seq in seqs if seq.num_computed_tokens >= seq.num_tokens]
-    scheduler.update_from_output(ModelRunnerOutput(
-        seq_ids=[seq.seq_id for seq in sampled],
-        sampled_token_ids=[[next_token(seq.token_ids)] for seq in sampled]))
-    return [seq.seq_id for seq in sampled]
 
 
 def admitted(model_dir: str, prompt_lens: list[int], num_blocks: int, budget: int = 64
@@ -208,17 +192,10 @@ def test_random_block_pressure(llama_dir, workload, budget, max_seqs, extra_bloc
     """Under random block pressure every request gets its tokens, and no block leaks"""
     # Room for the longest request alone, and a few blocks more.
     num_blocks = max(-(-(n + m) // BS) for _, n, m in workload) + extra_blocks
-    scheduler, runner = scheduler_of(llama_dir, budget, max_seqs, num_blocks, caching), \
-        RunnerCopy()
-    pending, seqs = deque(sorted(workload, key=lambda r: r[0])), []
-    for step in range(MAX_STEPS):
-        while pending and pending[0][0] <= step:
-            _, prompt_len, max_tokens = pending.popleft()
-            seqs.append(request(tokens(prompt_len, seed=len(seqs)), max_tokens))
-            scheduler.add(seqs[-1])
-        if not pending and not scheduler.requests:
-            break
-        out = scheduler.schedule()
+    scheduler = scheduler_of(llama_dir, budget, max_seqs, num_blocks, caching)
+    runner = RunnerCopy()
+
+    def check(out: SchedulerOutput, arrived: list[Sequence]) -> None:
         runner.apply(out)
         for seq_id in out.num_scheduled_tokens:
             seq = scheduler.requests[seq_id]
@@ -230,9 +207,8 @@ def test_random_block_pressure(llama_dir, workload, budget, max_seqs, extra_bloc
         assert bm.num_free_blocks + len(set(held)) == bm.num_blocks
         assert all(bm.ref_counts[b] == held.count(b) for b in set(held))
         assert all(not seq.block_table for seq in scheduler.waiting)
-        sample(scheduler, out)
-    else:
-        raise AssertionError(f"the requests were not done after {MAX_STEPS} steps")
+
+    seqs = run_workload(scheduler, workload, check)
     for seq in seqs:
         assert seq.token_ids[seq.num_prompt_tokens:] == \
             expected_output(seq.token_ids[:seq.num_prompt_tokens], seq.max_tokens)
