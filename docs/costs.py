@@ -9,7 +9,7 @@ comments and docstrings are free: they teach). Two tables come out of the tree:
   in other files that exist only for it (most of them in base-engine files, whose row counts
   them too).
 
-    python docs/costs.py            # print both tables
+    python docs/costs.py            # print the figures: the reading order's rows, the mechanisms'
     python docs/costs.py --write    # put them into docs/ARCHITECTURE.md
     python docs/costs.py --check    # exit 1 if ARCHITECTURE.md's figures are not the tree's
 """
@@ -182,6 +182,10 @@ def main() -> None:
             sys.exit("docs/ARCHITECTURE.md's code-line figures are out of date: run "
                      "python docs/costs.py --write")
     else:
+        for number, files in base_rows(doc):
+            print(f"row {number}: {sum(file_cost(p) for p in files):,} code lines")
+        print(re.search(r"The base engine: .*? code lines", new).group(0))
+        print(re.search(r"all of nanoinfer/: .*? code lines", new).group(0))
         print(mechanism_table())
 
 
