@@ -13,3 +13,11 @@ class ValidationError(ValueError):
         # A SamplingParams field ("temperature", "guided_decoding", ...), or "prompt", "messages",
         # "request_id", "sampling_params".
         self.parameter = parameter
+
+    def __reduce__(self):
+        # (as pickle and copy rebuild it: BaseException's own passes `args` alone)
+        return _rebuild, (str(self), self.parameter)
+
+
+def _rebuild(message: str, parameter: str) -> ValidationError:
+    return ValidationError(message, parameter=parameter)

@@ -9,6 +9,7 @@ from conftest import VOCAB_SIZE, hf_logits, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.worker.sampling_inputs import token_seed
 from nanoinfer.engine.exceptions import EngineDeadError
+from nanoinfer.exceptions import ValidationError
 from nanoinfer.sampling_params import RequestOutputKind
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -53,8 +54,9 @@ def test_request_ids_are_unique_among_live_requests(llm):
     engine = llm.llm_engine
     next_id = str(int(llm.next_request_id()) + 1)   # the id generate would take next
     engine.add_request(next_id, [5, 6, 7], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    with pytest.raises(ValueError, match="already in use"):
+    with pytest.raises(ValidationError, match="already in use") as error:
         engine.add_request(next_id, [5, 6], GREEDY)
+    assert error.value.parameter == "request_id"
     out = llm.generate([8, 9], GREEDY, use_tqdm=False)[0]
     assert out.request_id != next_id
     assert len(drain(engine)[next_id][-1].outputs[0].token_ids) == 40   # the caller's request was not touched

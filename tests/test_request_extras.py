@@ -241,3 +241,27 @@ def test_generate_errors_carry_the_parameter(offline, prompts, params, parameter
         offline.generate(prompts, params, use_tqdm=False)
     assert e.value.parameter == parameter
     assert not offline.llm_engine.has_unfinished_requests()
+
+
+def test_a_validation_error_survives_pickling_and_copying():
+    """It crosses processes (a pool's worker, an engine core) and copy.copy as any ValueError."""
+    import copy
+    import pickle
+    error = ValidationError("temperature must be >= 0", parameter="temperature")
+    for clone in (pickle.loads(pickle.dumps(error)), copy.copy(error), copy.deepcopy(error)):
+        assert type(clone) is ValidationError
+        assert str(clone) == str(error)
+        assert clone.parameter == "temperature"
+
+
+def test_api_error_words_fields_as_the_request_named_them():
+    guided = ValidationError("GuidedDecodingParams.choice must be a non-empty list of strings, "
+                             "got []", parameter="guided_decoding")
+    error = api_error(guided, {"guided_decoding": "guided_choice"})
+    assert (error.param, str(error)) == (
+        "guided_choice", "guided_choice must be a non-empty list of strings, got []")
+    min_tokens = ValidationError("SamplingParams.min_tokens must be an integer in [0, "
+                                 "max_tokens=2], got 5", parameter="min_tokens")
+    error = api_error(min_tokens, {"max_tokens": "max_completion_tokens"})
+    assert (error.param, str(error)) == (
+        "min_tokens", "min_tokens must be an integer in [0, max_completion_tokens=2], got 5")

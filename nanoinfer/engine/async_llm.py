@@ -171,9 +171,12 @@ class AsyncLLM(FrontEnd):
         touched = {seqs[o.seq_id][0].request_id for o in message[1] if o.seq_id in seqs}
         try:
             stats = None if self.stat_logger is None else IterationStats()
-            outputs, stopped = self.output_processor.process_outputs(message[1], stats)
-            if stats is not None:
-                self.stat_logger(rank, stats)
+            try:
+                outputs, stopped = self.output_processor.process_outputs(message[1], stats)
+            # (what the step did is counted even if building its outputs failed)
+            finally:
+                if stats is not None:
+                    self.stat_logger(rank, stats)
             # A sequence that a stop string ended goes on in the core, which has not seen that.
             for seq_id, _ in stopped:
                 self.client.send(rank, ("abort", [seq_id]))

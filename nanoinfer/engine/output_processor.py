@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanoinfer.core.messages import EngineCoreOutput, EngineCoreRequest
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
+from nanoinfer.exceptions import ValidationError
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -169,8 +170,8 @@ class OutputProcessor:
     def add_request(self, prompt: str | None, request: EngineCoreRequest) -> None:
         """Follow a request the core is about to run; its id must not be a live request's."""
         if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use by a live "
-                             "request")
+            raise ValidationError(f"request_id {request.request_id!r} is already in use by a live "
+                                  "request", parameter="request_id")
         params = request.params
         prompt_token_ids = request.prompt_token_ids
         completions = [CompletionState(i, p, prompt_token_ids, self.tokenizer)

@@ -5,6 +5,8 @@
 as the request named it (SamplingParams' `max_tokens` is a chat's `max_completion_tokens`, its
 `logprobs` a chat's `top_logprobs`, a prompt a chat's `messages`, ...).
 """
+import re
+
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
 
 
@@ -25,4 +27,7 @@ def api_error(error: ValueError, names: dict[str, str]) -> APIError:
     names for SamplingParams' fields), in the API's words ("SamplingParams.x" becomes that name)."""
     parameter = getattr(error, "parameter", None)
     param = names.get(parameter, parameter)
-    return APIError(400, str(error).replace(f"SamplingParams.{parameter}", str(param)), param)
+    message = re.sub(r"\b(SamplingParams|GuidedDecodingParams)\.\w+", str(param), str(error))
+    # (a chat's max_completion_tokens, where another field's message mentions max_tokens)
+    message = re.sub(r"\bmax_tokens\b", names.get("max_tokens", "max_tokens"), message)
+    return APIError(400, message, param)

@@ -59,6 +59,8 @@ class LLM:
         try:
             for prompt, params in zip(prompts, sampling_params):
                 request_ids.append(self.next_request_id())
+                if params is None:   # (in a list: the defaults, as for sampling_params=None)
+                    params = SamplingParams()
                 if isinstance(params, SamplingParams):
                     params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(request_ids[-1], prompt, params)

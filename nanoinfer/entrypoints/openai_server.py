@@ -212,7 +212,7 @@ async def engine_errors(outputs, names: dict[str, str], request_id: str):
             for c in out.outputs:
                 # an abort with a message: its grammar failed
                 if c.finish_reason == "abort" and isinstance(c.stop_reason, str):
-                    raise APIError(400, c.stop_reason, "response_format")
+                    raise APIError(400, c.stop_reason, names["guided_decoding"])
             yield i, out
     except APIError:
         raise
