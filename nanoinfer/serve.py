@@ -7,11 +7,14 @@ Every engine option of `Config` is a flag of the same name in vLLM's spelling
 `--no-enable-prefix-caching`, ...). It binds 127.0.0.1 unless told otherwise. Without `--model`
 it serves the embedded default model under the name `SmolLM2-135M-Instruct`. On SIGTERM (or
 Ctrl-C) it stops accepting, gives the requests in flight `--shutdown-timeout` seconds to finish,
-aborts the rest, stops its engine cores and exits.
+aborts the rest, stops its engine cores and exits with status 0.
 """
 import argparse
 import dataclasses
 import json
+import os
+import signal
+import sys
 import typing
 
 from nanoinfer.config import Config
@@ -47,11 +50,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
+    import torch
     import uvicorn
 
     from nanoinfer.engine.async_llm import AsyncLLM
     from nanoinfer.entrypoints.openai_server import create_app
     args = parse_args(argv)
+    # This process runs no model (its engine cores do, each on its share of the cores: vLLM's
+    # rule): threads of its own would only take the CPU from theirs.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
     name = args.served_model_name or args.model
     if args.model is None:
         from nanoinfer.default_model import default_model_path
@@ -66,11 +74,25 @@ def main(argv=None) -> None:
               f"{c.max_model_len}, data parallel {args.data_parallel_size}, tensor parallel "
               f"{c.tensor_parallel_size}, pipeline parallel {c.pipeline_parallel_size}, "
               f"{c.device}, {str(c.torch_dtype).removeprefix('torch.')}{key})", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level="warning",
+                                               timeout_graceful_shutdown=args.shutdown_timeout))
+        # uvicorn takes SIGINT and SIGTERM while it serves; once it has stopped it raises the
+        # signal again, to the handler that was there before it (by default: the end of the
+        # process, before the finally below stops the engine cores, and a status of 143 or 130).
+        # That handler is the server's own, which by then does nothing: the cores stop, exit 0.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, server.handle_exit)
+        server.run()
     finally:
         engine.shutdown()
 
 
 if __name__ == "__main__":
     main()
+    # The engine cores are stopped and the sockets closed. The interpreter's own teardown, a garbage
+    # collection over every object the server made, would only hold up the exit (seconds, on a
+    # busy machine).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,5 +1,6 @@
 """Small helpers that several parts of the engine share."""
 import math
+import os
 
 
 def cdiv(a: int, b: int) -> int:
@@ -10,3 +11,16 @@ def cdiv(a: int, b: int) -> int:
 def is_int(value, low: float = -math.inf, high: float = math.inf) -> bool:
     """Is `value` an integer (not a bool) in [low, high]?"""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def engine_num_threads(device: str, num_procs: int) -> int:
+    """torch's intra-op threads for each of the `num_procs` processes that run the model on this
+    host. On the CPU, an equal share of the cores this process may run on, at least one: vLLM's
+    CPU workers each take the cores they are bound to (a share of the host's), not all of them
+    each, which would make the processes' threads wait on each other. On a GPU, one, as vLLM gives
+    its GPU workers: their host work is launching kernels, and spare threads only contend for the
+    cores (docs/BENCHMARKS.md: the eager prefill launched 3x slower)."""
+    if device != "cpu":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores // num_procs)

@@ -34,11 +34,7 @@ labels model_name (the served name) and engine (the core's index); counters are 
 import contextlib
 import io
 import json
-import os
 import re
-import signal
-import subprocess
-import threading
 import time
 from collections import defaultdict
 
@@ -46,7 +42,7 @@ import httpx
 import pytest
 import torch
 from conftest import hf_logits
-from test_server import KEY, core_pids, start_server, stop_server
+from test_server import KEY, start_server, stop_server
 
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -518,65 +514,7 @@ def test_an_oversized_body_is_refused(server):
     assert_still_serves(server)
 
 
-# 11. SIGTERM with a stream in flight
-
-def exited(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"   # (a zombie has exited)
-    except FileNotFoundError:
-        return True
-
-
-def test_sigterm_ends_a_stream_and_the_server(llama_dir, tmp_path):
-    """(Its start-up also says, in one line, where it serves what.)"""
-    assert serve_has("--shutdown-timeout"), "python -m nanoinfer.serve has no --shutdown-timeout"
-    with open(tmp_path / "stdout", "w") as out:
-        proc, url = start_server(llama_dir, "--shutdown-timeout", "2", stdout=out)
-    ready = (tmp_path / "stdout").read_text()
-    assert f"serving 'tiny' at {url}/v1 (max_model_len=512" in ready, ready
-    cores, started, result = core_pids(proc.pid), threading.Event(), {}
-    assert cores
-
-    def read():
-        body = {"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=20) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        result["last"] = line
-                        started.set()
-            result["end"] = "finished" if result.get("last") == "data: [DONE]" else "closed"
-        except httpx.ReadTimeout:
-            result["end"] = "hung"
-        except httpx.TransportError:
-            result["end"] = "closed"
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert started.wait(60), "the stream did not start"
-        assert "end" not in result   # in flight
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the server did not exit within 15 s of SIGTERM")
-        reader.join(15)
-        assert not reader.is_alive() and result.get("end") in ("finished", "closed"), result
-        for _ in range(50):
-            if all(exited(pid) for pid in cores):
-                break
-            time.sleep(0.1)
-        assert [pid for pid in cores if not exited(pid)] == [], "engine cores outlived the server"
-        assert proc.returncode in (0, -signal.SIGTERM), proc.returncode
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        for pid in cores:
-            if not exited(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+# 11. SIGTERM with a stream in flight: tests/test_server.py, test_a_signal_stops_everything_the_server_started
 
 
 # Found in review

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server, through real sockets on 127.0.0.1 and the official client."""
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -7,10 +8,15 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from unittest import mock
 
 import httpx
 import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from conftest import random_prompts
 
 openai = pytest.importorskip("openai")
@@ -18,6 +24,7 @@ pytest.importorskip("fastapi")
 jsonschema = pytest.importorskip("jsonschema")
 
 from nanoinfer import LLM, SamplingParams  # noqa: E402
+from nanoinfer.utils import engine_num_threads  # noqa: E402
 
 KEY = "secret-key"
 
@@ -223,6 +230,149 @@ def test_chat_top_logprobs_need_logprobs(server):
     body = {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
     response = httpx.post(server + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """The processes under `pid`, children of each of their threads, recursively: pid -> its start
+    time (so that a later process with the same pid is not taken for it)."""
+    found, parents = {}, [pid]
+    while parents:
+        parent = parents.pop()
+        with contextlib.suppress(FileNotFoundError):
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with contextlib.suppress(FileNotFoundError):
+                    for child in map(int, open(f"/proc/{parent}/task/{task}/children").read().split()):
+                        with contextlib.suppress(FileNotFoundError):
+                            found[child] = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[19]
+                            parents.append(child)
+    return found
+
+
+def running(pid: int, start_time: str) -> bool:
+    """Whether that process still runs (a zombie has exited)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return False
+    return fields[0] != "Z" and fields[19] == start_time
+
+
+def shared_memory(pids) -> set[str]:
+    """The files of /dev/shm that these processes map: SharedMemory segments (psm_*) and named
+    semaphores (sem.mp-*)."""
+    names = set()
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            for line in open(f"/proc/{pid}/maps"):
+                path = line.split(maxsplit=5)[5:]
+                if path and path[0].startswith("/dev/shm/"):
+                    names.add(path[0].strip().removesuffix(" (deleted)").removeprefix("/dev/shm/"))
+    return names
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("parallel", ["--data-parallel-size", "--tensor-parallel-size"])
+def test_a_signal_stops_everything_the_server_started(llama_dir, tmp_path, parallel, sig):
+    """SIGTERM or Ctrl-C with a stream in flight: the stream ends (finished, or aborted after the
+    shutdown timeout), and the server exits with status 0 within that timeout and 2 s, leaving no
+    process (engine cores, tensor-parallel workers, multiprocessing's resource tracker) and no
+    shared memory behind. (Its start-up also says, in one line, where it serves what.)"""
+    timeout, before = 2, set(os.listdir("/dev/shm"))
+    with open(tmp_path / "stdout", "w") as out:
+        proc, url = start_server(llama_dir, parallel, "2", "--shutdown-timeout", str(timeout), stdout=out)
+    ready = (tmp_path / "stdout").read_text()
+    assert f"serving 'tiny' at {url}/v1 (max_model_len=512" in ready, ready
+    started, result = threading.Event(), {}
+
+    def read():
+        body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=20) as response:
+                for line in response.iter_lines():
+                    result["last"] = line or result.get("last")
+                    started.set()
+            result["end"] = "finished" if result.get("last") == "data: [DONE]" else "closed"
+        except httpx.ReadTimeout:
+            result["end"] = "hung"
+        except httpx.TransportError:
+            result["end"] = "closed"
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    tree = {}
+    try:
+        assert started.wait(60), "the stream did not start"
+        tree = descendants(proc.pid)
+        assert len(tree) >= 3, tree   # two cores, or a core and its two workers; the tracker
+        segments = shared_memory([proc.pid, *tree]) - before
+        assert segments or parallel == "--data-parallel-size"   # the workers' message queues
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout + 2)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not exit within {timeout + 2} s of {sig!r}")
+        for _ in range(20):
+            if not any(running(pid, t) for pid, t in tree.items()):
+                break
+            time.sleep(0.1)
+        assert [pid for pid, t in tree.items() if running(pid, t)] == [], "processes outlived the server"
+        assert segments & set(os.listdir("/dev/shm")) == set(), "shared memory outlived the server"
+        assert proc.returncode == 0
+        reader.join(15)
+        assert not reader.is_alive() and result.get("end") in ("finished", "closed"), result
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for pid, t in tree.items():
+            if running(pid, t):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@given(cores=st.integers(1, 512), procs=st.integers(1, 64))
+def test_engine_processes_share_the_cores_without_oversubscribing_them(cores, procs):
+    """On the CPU, each of `procs` processes takes one thread at least, and together they take at
+    most the cores there are (when there are enough) and leave fewer than `procs` of them idle.
+    On a GPU each takes one."""
+    with mock.patch("os.sched_getaffinity", return_value=set(range(cores)), create=True):
+        share = engine_num_threads("cpu", procs)
+        assert engine_num_threads("cuda", procs) == 1
+    assert share >= 1
+    if procs <= cores:
+        assert cores - procs < share * procs <= cores
+
+
+def environ(pid: int) -> dict[str, str]:
+    return dict(entry.split("=", 1) for entry in open(f"/proc/{pid}/environ").read().split("\0") if "=" in entry)
+
+
+@pytest.mark.parametrize("parallel", ["--data-parallel-size", "--tensor-parallel-size"])
+def test_the_front_end_takes_one_thread_and_each_engine_process_its_share(llama_dir, monkeypatch, parallel):
+    """vLLM's rule on the CPU: the server's own process runs no model and takes one intra-op thread;
+    each process that does (two cores, or a core's two workers) takes an equal share of the cores
+    (through OMP_NUM_THREADS, which torch reads as it starts)."""
+    uvicorn = pytest.importorskip("uvicorn")
+    from nanoinfer.serve import main
+    seen = {}
+
+    def run(server):   # instead of serving: what each process got
+        server.started = True
+        seen["front end"] = torch.get_num_threads()
+        seen["engine"] = [environ(pid).get("OMP_NUM_THREADS") for pid in descendants(os.getpid())
+                          if pid not in before and b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before, threads = descendants(os.getpid()), torch.get_num_threads()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        main(["--model", llama_dir, "--max-model-len", "256", parallel, "2"])
+    finally:
+        torch.set_num_threads(threads)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert seen["front end"] == 1
+    assert seen["engine"] == [share] * (2 if parallel == "--data-parallel-size" else 3)   # (and the core)
 
 
 def test_a_killed_core_fails_its_requests_only(llama_dir):

@@ -34,6 +34,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import threading
 import traceback
 import weakref
@@ -48,6 +49,7 @@ from nanoinfer.engine.core import EngineCore
 from nanoinfer.core.messages import EngineCoreRequest, SchedulerStats
 from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.executor.multiproc_executor import stop_processes
+from nanoinfer.utils import engine_num_threads
 
 logger = logging.getLogger("nanoinfer")
 
@@ -92,6 +94,11 @@ def run_engine_core(config: Config, conn) -> None:
     finally:
         if core is not None:
             core.shutdown()
+        # Nothing is left to tear down. The interpreter's own teardown, a garbage collection over
+        # every object of the engine, would hold up the server's stop by seconds on a busy machine.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
@@ -106,10 +113,14 @@ def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
 
 
 def start_cores(config: Config, data_parallel_size: int) -> tuple[list, list]:
-    """Start the core processes, each on its own GPUs; their connections and processes."""
+    """Start the core processes, each on its own GPUs; their connections and processes. Each core,
+    and each of its workers, gets its share of the CPU threads through OMP_NUM_THREADS, which torch
+    reads as it starts, unless the user set it (utils.engine_num_threads says how much)."""
     ctx, conns, procs = mp.get_context("spawn"), [], []
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    saved = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
     gpus = core_gpus(data_parallel_size, config.world_size) if config.device == "cuda" else None
+    threads = engine_num_threads(config.device, data_parallel_size * config.world_size)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     try:
         for rank in range(data_parallel_size):
             if gpus is not None:   # (read as the child starts)
@@ -121,10 +132,11 @@ def start_cores(config: Config, data_parallel_size: int) -> tuple[list, list]:
             child.close()
             conns.append(parent)
     finally:
-        if visible is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return conns, procs
 
 

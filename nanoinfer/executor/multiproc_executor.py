@@ -53,6 +53,7 @@ from nanoinfer.core.messages import GrammarOutput, SchedulerOutput
 from nanoinfer.core.messages import ModelRunnerOutput
 from nanoinfer.worker.model_runner import ModelRunner
 from nanoinfer.executor.message_queue import MessageQueue
+from nanoinfer.utils import engine_num_threads
 
 
 class WorkerDiedError(RuntimeError):
@@ -191,10 +192,8 @@ def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue
         distributed.init_distributed(rank, config.world_size, init_method,
                                      "nccl" if config.device == "cuda" else "gloo",
                                      config.tensor_parallel_size)
-        # on a GPU a rank's host work is launching kernels: spare threads would only contend for
-        # the cores (docs/BENCHMARKS.md: the eager prefill); on the CPU the ranks share them
-        torch.set_num_threads(max(1, os.cpu_count() // config.world_size)
-                              if config.device == "cpu" else 1)
+        if "OMP_NUM_THREADS" not in os.environ:   # (set by the user, or by a server for its cores)
+            torch.set_num_threads(engine_num_threads(config.device, config.world_size))
         runner = ModelRunner(config)
         outputs = queue.SimpleQueue()   # the driver: launched steps' outputs, for the sender thread
         driver = rank == driver_rank(config)
