@@ -84,10 +84,8 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if isinstance(self.stop, tuple) or self.stop is None:
-            self.stop = list(self.stop or [])
-        if isinstance(self.stop_token_ids, tuple) or self.stop_token_ids is None:
-            self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list(self.stop)
+        self.stop_token_ids = _as_list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         for name, ok, why in self.checks():
@@ -141,6 +139,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperatures below 1e-5 sample greedily, as in vLLM (logits / T would overflow)."""
         return self.temperature < 1e-5
+
+
+def _as_list(value):
+    """None and a tuple as lists; anything else as it is (its check says if it is wrong)."""
+    return list(value or ()) if value is None or isinstance(value, tuple) else value
 
 
 def _real(value, low: float = -math.inf, high: float = math.inf) -> bool:

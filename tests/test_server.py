@@ -364,6 +364,7 @@ def test_the_front_end_takes_one_thread_and_each_engine_process_its_share(llama_
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before, threads = descendants(os.getpid()), torch.get_num_threads()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    torch.set_num_threads(2)   # (as torch starts on two cores: the tests' own setting is one)
     try:
         main(["--model", llama_dir, "--max-model-len", "256", parallel, "2"])
     finally:
