@@ -15,12 +15,17 @@ def is_int(value, low: float = -math.inf, high: float = math.inf) -> bool:
 
 def engine_num_threads(device: str, num_procs: int) -> int:
     """torch's intra-op threads for each of the `num_procs` processes that run the model on this
-    host. On the CPU, an equal share of the cores this process may run on, at least one: vLLM's
-    CPU workers each take the cores they are bound to (a share of the host's), not all of them
-    each, which would make the processes' threads wait on each other. On a GPU, one, as vLLM gives
-    its GPU workers: their host work is launching kernels, and spare threads only contend for the
-    cores (docs/BENCHMARKS.md: the eager prefill launched 3x slower)."""
+    host. On the CPU, an equal share of the cores this process may run on less one, at least one:
+    vLLM's CPU workers each take the cores they are bound to (a share of the host's, not all of
+    them each, which would make the processes' threads wait on each other), less the cores
+    reserved for the rest (VLLM_CPU_NUM_OF_RESERVED_CPU). One core is always left to the process
+    that drives them (the server's front end, or the engine core of tensor-parallel workers):
+    an OpenMP region ends when its slowest thread does, so a thread that waits for a core taken
+    by other work holds up the whole step (docs/ARCHITECTURE.md, section 12, has the figures).
+    On a GPU, one, as vLLM gives its GPU workers: their host work is launching kernels, and spare
+    threads only contend for the cores (docs/BENCHMARKS.md: the eager prefill launched 3x
+    slower)."""
     if device != "cpu":
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, cores // num_procs)
+    return max(1, (cores - 1) // num_procs)
