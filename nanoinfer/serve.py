@@ -60,16 +60,24 @@ def main(argv=None) -> None:
     # rule): threads of its own would only take the CPU from theirs.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
-    name = args.served_model_name or args.model
-    if args.model is None:
-        from nanoinfer.default_model import default_model_path
-        args.model, name = default_model_path(), args.served_model_name or "SmolLM2-135M-Instruct"
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
-               if f.init and f.name != "model" and hasattr(args, f.name)}
-    engine = AsyncLLM(args.model, data_parallel_size=args.data_parallel_size, **options)
+    # SIGTERM while the engine starts is a Ctrl-C: the cores started so far are stopped.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        name = args.served_model_name or args.model
+        if args.model is None:
+            from nanoinfer.default_model import default_model_path
+            args.model = default_model_path()
+            name = args.served_model_name or "SmolLM2-135M-Instruct"
+        options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
+                   if f.init and f.name != "model" and hasattr(args, f.name)}
+        engine = AsyncLLM(args.model, data_parallel_size=args.data_parallel_size, **options)
+    except KeyboardInterrupt:
+        print("nanoinfer: stopped while starting", flush=True)
+        return
     try:
         app = create_app(engine, name, args.api_key, args.max_request_bytes)
-        c, key = engine.config, ", API key required" if args.api_key else ""
+        c = engine.config
+        key = ", API key required" if args.api_key else ""
         print(f"nanoinfer: serving {name!r} at http://{args.host}:{args.port}/v1 (max_model_len="
               f"{c.max_model_len}, data parallel {args.data_parallel_size}, tensor parallel "
               f"{c.tensor_parallel_size}, pipeline parallel {c.pipeline_parallel_size}, "
@@ -84,6 +92,8 @@ def main(argv=None) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, server.handle_exit)
         server.run()
+    except KeyboardInterrupt:   # (a stop before uvicorn took the signals)
+        pass
     finally:
         engine.shutdown()
 

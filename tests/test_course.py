@@ -117,6 +117,8 @@ def test_blanked_assignment_fails_every_criterion(proofs, number):
     found = criteria(proof["blanked"])
     assert checked.returncode != 0
     assert found and all(outcome == "FAIL" for outcome, _ in found), checked.stdout
+    # (every criterion ran and failed: one the session never reached proves nothing)
+    assert "(not run" not in proof["blanked"], checked.stdout
     assert f"NotImplementedError: assignment {number}: write" in checked.stdout
     assert "score: 0/100" in proof["blanked"]
     assert proof["reset"].returncode == 0, proof["reset"].stdout

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 import zipfile
 
 import numpy as np
@@ -207,3 +208,18 @@ def test_first_use_prints_one_line(tiny_gguf, tmp_path, monkeypatch, capfd):
     dm.default_model_path()
     err = capfd.readouterr().err
     assert err.startswith("nanoinfer: converting") and err.count("\n") == 1, err
+
+
+def test_a_failed_conversion_shows_what_it_wrote(tmp_path, monkeypatch, capsys):
+    """The conversion's own output is hidden (progress bars), but not when it fails: it explains
+    the error."""
+    monkeypatch.setenv("NANOINFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(dm, "_installed_gguf", lambda: str(tmp_path / "model.gguf"))
+
+    def convert(gguf_path, out):
+        print("warning: tensor blk.0 has an unknown type", file=sys.stderr)
+        raise ValueError("cannot convert")
+    monkeypatch.setattr(dm, "convert_gguf_to_hf", convert)
+    with pytest.raises(ValueError, match="cannot convert"):
+        dm.default_model_path()
+    assert "tensor blk.0 has an unknown type" in capsys.readouterr().err

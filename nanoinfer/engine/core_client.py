@@ -56,8 +56,10 @@ logger = logging.getLogger("nanoinfer")
 
 def run_engine_core(config: Config, conn) -> None:
     """The core process: step while there is work, take messages between steps."""
-    # Ctrl-C is the front end's to handle.
+    # Ctrl-C and SIGTERM (also sent to the whole process group, as a service manager does) are the
+    # front end's to handle: it stops the cores once its requests have had their time.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     core = None
 
     def handle(kind, payload) -> bool:
@@ -161,9 +163,15 @@ class EngineCoreClient:
             threading.Thread(target=self.write, args=(rank,), daemon=True,
                              name=f"nanoinfer-core-writer-{rank}").start()
         # Wait for every core to start (and stop them on Ctrl-C meanwhile): each one's KV blocks.
+        self.num_gpu_blocks = []
         try:
-            self.num_gpu_blocks = [self.wait_until_ready(r) for r in range(data_parallel_size)]
+            for rank in range(data_parallel_size):
+                self.num_gpu_blocks.append(self.wait_until_ready(rank))
         except BaseException:
+            # A core still loading its model reads no message: it is stopped at once (its workers
+            # follow it, and the resource tracker removes their shared memory).
+            for proc in self.procs[len(self.num_gpu_blocks):]:
+                proc.kill()
             self.shutdown()
             raise
         self.stats = [SchedulerStats() for _ in self.conns]

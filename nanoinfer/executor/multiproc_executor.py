@@ -185,7 +185,9 @@ def stop_processes(procs: list, timeout: float) -> None:
 def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue,
                 responses: MessageQueue | None, errors) -> None:
     """A worker's life: join the group, build the model shard, then run calls until "shutdown"."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the engine's to handle
+    # Ctrl-C and SIGTERM are the engine's to handle (a worker leaves when its engine does).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
     calls.as_reader(rank)
     try:
