@@ -313,8 +313,10 @@ def kill_all(proc: subprocess.Popen, tree: dict[int, str]) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, "SIGTERM to the process group"])
-@pytest.mark.parametrize("parallel", ["--data-parallel-size", "--tensor-parallel-size"])
+@pytest.mark.parametrize("parallel, sig", [
+    ("--data-parallel-size", signal.SIGTERM), ("--tensor-parallel-size", signal.SIGTERM),
+    ("--tensor-parallel-size", signal.SIGINT),
+    ("--data-parallel-size", "SIGTERM to the process group")])
 def test_a_signal_stops_everything_the_server_started(llama_dir, tmp_path, parallel, sig,
                                                       monkeypatch):
     """SIGTERM or Ctrl-C (or SIGTERM to the whole process group, as a service manager sends it)
