@@ -106,7 +106,8 @@ def run_engine_core(config: Config, conn) -> None:
 def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
     """Each core's CUDA_VISIBLE_DEVICES: core r takes the r-th `ranks_per_core` (tensor x pipeline
     parallel) GPUs of those this process sees."""
-    visible, n = os.environ.get("CUDA_VISIBLE_DEVICES"), ranks_per_core
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    n = ranks_per_core
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     if len(gpus) < data_parallel_size * n:
         raise ValueError(f"data_parallel_size={data_parallel_size} x {n} ranks per core needs "
@@ -118,7 +119,9 @@ def start_cores(config: Config, data_parallel_size: int) -> tuple[list, list]:
     """Start the core processes, each on its own GPUs; their connections and processes. Each core,
     and each of its workers, gets its share of the CPU threads through OMP_NUM_THREADS, which torch
     reads as it starts, unless the user set it (utils.engine_num_threads says how much)."""
-    ctx, conns, procs = mp.get_context("spawn"), [], []
+    ctx = mp.get_context("spawn")
+    conns = []
+    procs = []
     saved = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
     gpus = core_gpus(data_parallel_size, config.world_size) if config.device == "cuda" else None
     threads = engine_num_threads(config.device, data_parallel_size * config.world_size)
@@ -156,7 +159,9 @@ class EngineCoreClient:
         # A weak reference: the reader thread must not keep the engine alive.
         self.on_message = weakref.WeakMethod(on_message)
         self.conns, self.procs = start_cores(config, data_parallel_size)
-        self.alive, self.closing, self.reader = [True] * data_parallel_size, False, None
+        self.alive = [True] * data_parallel_size
+        self.closing = False
+        self.reader = None
         # Each core's messages wait in an outbox of its own for its writer thread.
         self.outboxes = [queue.SimpleQueue() for _ in self.conns]
         for rank in range(data_parallel_size):

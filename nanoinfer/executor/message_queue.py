@@ -29,7 +29,8 @@ class MessageQueue:
 
     def __init__(self, num_readers: int, slot_bytes: int = 1 << 20, num_slots: int = 8):
         ctx = mp.get_context("spawn")
-        self.slot_bytes, self.num_slots = slot_bytes, num_slots
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
         self.shm = SharedMemory(create=True, size=slot_bytes * num_slots)
         self.written = [ctx.Semaphore(0) for _ in range(num_readers)]
         self.free = [ctx.Semaphore(num_slots) for _ in range(num_readers)]

@@ -209,7 +209,8 @@ def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue
             if method == "execute_model":
                 executed = runner.execute_model(*args)
             elif method == "sample_tokens":
-                output, executed = runner.sample_tokens(executed, *args), None
+                output = runner.sample_tokens(executed, *args)
+                executed = None
                 if driver:
                     outputs.put(output)
             else:
