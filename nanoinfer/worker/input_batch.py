@@ -287,9 +287,8 @@ class InputBatch(SamplingInputs):
                 targets.append(self.token_ids[rows[i], positions + 1])
         if not layout:
             return None
-        num_top = int(wanted.max())
         index, targets = self.to_device(np.int64, np.concatenate(index), np.concatenate(targets))
-        return layout, index, targets, num_top
+        return layout, index, targets, int(wanted.max())
 
     def record_sampled(self, seq_ids: list[int], sampled_token_ids: torch.Tensor) -> None:
         """Keep a step's samples on the device: the next step's decodes take their input from
