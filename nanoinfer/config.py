@@ -219,9 +219,8 @@ class KVTransferConfig:
         return spec
 
 
-def head_dim(hf_config) -> int:
+def head_dim(hf: PretrainedConfig) -> int:
     """A model's attention head size: given (Qwen3), or hidden_size / num_attention_heads."""
-    hf = hf_config
     return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
 
 
@@ -241,8 +240,7 @@ def require(ok: bool, message: str) -> None:
 
 
 def check_int(name: str, value, minimum: int) -> None:
-    if not is_int(value, minimum):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    require(is_int(value, minimum), f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def download(model: str, load_format: str) -> str:
@@ -285,6 +283,4 @@ def load_eos_token_ids(model: str, hf_config: PretrainedConfig) -> list[int]:
         eos = None
     if eos is None:
         eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
+    return [eos] if isinstance(eos, int) else list(eos or ())
