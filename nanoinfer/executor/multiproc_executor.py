@@ -56,7 +56,7 @@ from nanoinfer.utils import engine_num_threads
 
 
 class WorkerDiedError(RuntimeError):
-    pass
+    """A worker process died, or the workers were shut down: the message says which and why."""
 
 
 class MultiprocExecutor:
