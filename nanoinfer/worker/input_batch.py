@@ -247,8 +247,7 @@ class InputBatch(SamplingInputs):
     def draft_inputs(self, step: StepInputs, sched: SchedulerOutput, num_drafts: np.ndarray
                      ) -> None:
         """The sampling requests' drafts (speculative decoding), padded with -1."""
-        spec = sched.scheduled_spec_decode_tokens
-        drafts = [spec.get(s, []) for s in step.sample_seq_ids]
+        drafts = [sched.scheduled_spec_decode_tokens.get(s, []) for s in step.sample_seq_ids]
         width = max(map(len, drafts))
         padded = np.array([d + [-1] * (width - len(d)) for d in drafts], np.int64)
         step.draft_token_ids, step.num_drafts = self.to_device(
