@@ -222,9 +222,9 @@ class OutputProcessor:
             if out.new_token_ids:
                 state.metrics.first_token_time = state.metrics.first_token_time or now
                 state.metrics.last_token_time = now
-                if completion.index == 0:   # (counted for the first sample)
-                    state.metrics.num_generation_tokens += len(out.new_token_ids)
+            # (counted for the first sample)
             if completion.index == 0:
+                state.metrics.num_generation_tokens += len(out.new_token_ids)
                 state.num_cached_tokens = out.num_cached_tokens
             # The prompt's logprobs come with any sample's first output.
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
