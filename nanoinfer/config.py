@@ -265,13 +265,11 @@ def load_hf_config(model: str) -> PretrainedConfig:
         raise ValueError(f"cannot load model {model!r}: no such local folder, and no model of "
                          f"that name could be fetched from a hub ({e.__class__.__name__})") from e
     archs = getattr(hf_config, "architectures", None) or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"model {model!r} has architecture {archs or 'unknown'}; "
-                         f"nanoinfer supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    require(any(a in SUPPORTED_ARCHITECTURES for a in archs), f"model {model!r} has architecture "
+            f"{archs or 'unknown'}; nanoinfer supports {', '.join(SUPPORTED_ARCHITECTURES)}")
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if not isinstance(getattr(hf_config, name, None), int):
-            raise ValueError(f"malformed config for model {model!r}: {name} is missing or not an "
-                             "integer")
+        require(isinstance(getattr(hf_config, name, None), int),
+                f"malformed config for model {model!r}: {name} is missing or not an integer")
     return hf_config
 
 
