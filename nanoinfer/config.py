@@ -219,9 +219,8 @@ class KVTransferConfig:
         return spec
 
 
-def head_dim(hf_config) -> int:
+def head_dim(hf: PretrainedConfig) -> int:
     """A model's attention head size: given (Qwen3), or hidden_size / num_attention_heads."""
-    hf = hf_config
     return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
 
 
@@ -241,8 +240,7 @@ def require(ok: bool, message: str) -> None:
 
 
 def check_int(name: str, value, minimum: int) -> None:
-    if not is_int(value, minimum):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    require(is_int(value, minimum), f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def download(model: str, load_format: str) -> str:
@@ -267,13 +265,11 @@ def load_hf_config(model: str) -> PretrainedConfig:
         raise ValueError(f"cannot load model {model!r}: no such local folder, and no model of "
                          f"that name could be fetched from a hub ({e.__class__.__name__})") from e
     archs = getattr(hf_config, "architectures", None) or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"model {model!r} has architecture {archs or 'unknown'}; "
-                         f"nanoinfer supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    require(any(a in SUPPORTED_ARCHITECTURES for a in archs), f"model {model!r} has architecture "
+            f"{archs or 'unknown'}; nanoinfer supports {', '.join(SUPPORTED_ARCHITECTURES)}")
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if not isinstance(getattr(hf_config, name, None), int):
-            raise ValueError(f"malformed config for model {model!r}: {name} is missing or not an "
-                             "integer")
+        require(isinstance(getattr(hf_config, name, None), int),
+                f"malformed config for model {model!r}: {name} is missing or not an integer")
     return hf_config
 
 
@@ -285,6 +281,4 @@ def load_eos_token_ids(model: str, hf_config: PretrainedConfig) -> list[int]:
         eos = None
     if eos is None:
         eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
+    return [eos] if isinstance(eos, int) else list(eos or ())

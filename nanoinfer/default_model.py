@@ -89,8 +89,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                      else tokenizer.eos_token_id),
-    )
+                      else tokenizer.eos_token_id))
     tokenizer.model_max_length = config.max_position_embeddings
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -82,9 +82,7 @@ class SamplingParams:
     guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = _as_list(self.stop)
+        self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop)
         self.stop_token_ids = _as_list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0

@@ -57,10 +57,9 @@ class SchedulerHooks:
     def drafts_that_fit(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts of `seq` that its step can score: within the budget, and such that the
         accepted drafts and the target's own token stay within max_tokens and max_model_len."""
-        drafts = seq.spec_token_ids
-        seq.spec_token_ids = []
         room = min(budget, seq.max_tokens - seq.num_output_tokens - 1)
-        drafts = drafts[:max(room, 0)]
+        drafts = seq.spec_token_ids[:max(room, 0)]
+        seq.spec_token_ids = []
         return seq.grammar.valid_drafts(drafts) if seq.grammar is not None else drafts
 
     def computed_blocks(self, seq: Sequence) -> list[int]:

@@ -73,10 +73,6 @@ class InputProcessor:
                                   f"({type(e).__name__}: {e})", parameter="guided_decoding") from e
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if self.tokenizer is None and (isinstance(prompt, str) or (
-                isinstance(prompt, dict) and "prompt_token_ids" not in prompt)):
-            raise ValidationError(f"text needs a tokenizer ({NO_TOKENIZER}): pass prompt token ids",
-                                  parameter="prompt")
         if isinstance(prompt, str):
             return prompt, self.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -90,6 +86,9 @@ class InputProcessor:
                               f"{type(prompt).__name__}", parameter="prompt")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValidationError(f"text needs a tokenizer ({NO_TOKENIZER}): pass prompt token ids",
+                                  parameter="prompt")
         try:
             text.encode()
         # JSON's "\ud800" decodes to such a str.
@@ -131,11 +130,9 @@ class InputProcessor:
                                   f"{self.config.max_model_len} (prompt and output must fit)",
                                   parameter="prompt")
         vocab_size = self.config.hf_config.vocab_size
-        for name, where, ids in (("prompt", "the prompt", token_ids),
-                                 ("stop_token_ids", "SamplingParams.stop_token_ids",
-                                  params.stop_token_ids),
-                                 ("logit_bias", "SamplingParams.logit_bias",
-                                  params.logit_bias or ())):
+        for name, ids in (("prompt", token_ids), ("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias or ())):
+            where = "the prompt" if name == "prompt" else f"SamplingParams.{name}"
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValidationError(f"{where} holds token id {bad[0]}, outside the vocabulary "

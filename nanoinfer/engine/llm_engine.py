@@ -38,10 +38,9 @@ class LLMEngine(FrontEnd):
         super().__init__(config)
         self.engine_core = EngineCore(config, self.tokenizer)
         # The core's parts, for tests and bench.py's timers.
-        core = self.engine_core
-        self.scheduler = core.scheduler
-        self.model_executor = core.model_executor
-        self.structured_output = core.structured_output
+        self.scheduler = self.engine_core.scheduler
+        self.model_executor = self.engine_core.model_executor
+        self.structured_output = self.engine_core.structured_output
         # What killed the engine, if anything did.
         self.error: BaseException | None = None
 
@@ -81,24 +80,18 @@ class LLMEngine(FrontEnd):
             outputs, stopped = self.output_processor.process_outputs(self.engine_core.step())
             # the sequences a stop string ended: the core has not seen that
             self.engine_core.abort_requests([seq_id for seq_id, _ in stopped])
-        # The user stopped it: drop every request and keep the engine.
-        except KeyboardInterrupt as e:
-            if self.config.world_size == 1:
+        except BaseException as e:
+            # Ctrl-C drops every request and keeps the engine, unless it has worker processes (a
+            # message to them may be cut in half: they are stopped). Anything else kills it.
+            if isinstance(e, KeyboardInterrupt) and self.config.world_size == 1:
                 self.error = None
                 self.abort_all()
-                raise
-            # A message to the workers may be cut in half: stop them.
-            self.die(e)
-            raise
-        except BaseException as e:
-            self.die(e)
+            else:
+                self.error = e
+                self.shutdown(graceful=False)
             raise
         self.error = None
         return outputs
-
-    def die(self, error: BaseException) -> None:
-        self.error = error
-        self.shutdown(graceful=False)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the tensor-parallel workers and free the model and its KV cache; the engine cannot

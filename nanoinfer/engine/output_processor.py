@@ -172,12 +172,10 @@ class OutputProcessor:
         if request.request_id in self.requests:
             raise ValidationError(f"request_id {request.request_id!r} is already in use by a live "
                                   "request", parameter="request_id")
-        params = request.params
-        prompt_token_ids = request.prompt_token_ids
-        completions = [CompletionState(i, p, prompt_token_ids, self.tokenizer)
-                       for i, p in enumerate(params)]
-        state = RequestState(request.request_id, prompt, list(prompt_token_ids),
-                             params[0].output_kind, completions, request.seq_ids,
+        completions = [CompletionState(i, p, request.prompt_token_ids, self.tokenizer)
+                       for i, p in enumerate(request.params)]
+        state = RequestState(request.request_id, prompt, list(request.prompt_token_ids),
+                             request.params[0].output_kind, completions, request.seq_ids,
                              max_tokens=request.max_tokens)
         self.requests[request.request_id] = state
         for seq_id, completion in zip(request.seq_ids, completions):
@@ -224,9 +222,9 @@ class OutputProcessor:
             if out.new_token_ids:
                 state.metrics.first_token_time = state.metrics.first_token_time or now
                 state.metrics.last_token_time = now
-                if completion.index == 0:   # (counted for the first sample)
-                    state.metrics.num_generation_tokens += len(out.new_token_ids)
+            # (counted for the first sample)
             if completion.index == 0:
+                state.metrics.num_generation_tokens += len(out.new_token_ids)
                 state.num_cached_tokens = out.num_cached_tokens
             # The prompt's logprobs come with any sample's first output.
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:

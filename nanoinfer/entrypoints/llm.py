@@ -47,8 +47,7 @@ class LLM:
         # (each prompt and its params are checked by the engine's InputProcessor)
         if not isinstance(prompts, (list, tuple)) or (prompts and type(prompts[0]) is int):
             prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        # (None, alone or in a list: the defaults)
         if not isinstance(sampling_params, (list, tuple)):
             sampling_params = [sampling_params] * len(prompts)
         if (n := len(sampling_params)) != len(prompts):
@@ -59,7 +58,7 @@ class LLM:
         try:
             for prompt, params in zip(prompts, sampling_params):
                 request_ids.append(self.next_request_id())
-                if params is None:   # (in a list: the defaults, as for sampling_params=None)
+                if params is None:
                     params = SamplingParams()
                 if isinstance(params, SamplingParams):
                     params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -80,9 +79,8 @@ class LLM:
         engine = self.llm_engine
         outputs = {}
         wanted = set(request_ids)
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
-                   disable=not use_tqdm or not sys.stderr.isatty())
-        with bar:
+        with tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
+                  disable=not use_tqdm or not sys.stderr.isatty()) as bar:
             while len(outputs) < len(request_ids):
                 start = time.perf_counter()
                 for out in engine.step():

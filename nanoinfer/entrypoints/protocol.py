@@ -12,6 +12,7 @@ ones), but a known field that would change the answer if honoured and is not sup
 `stream_options.continuous_usage_stats` (with `include_usage`: usage in every chunk).
 """
 import dataclasses
+import itertools
 import time
 from typing import Annotated
 
@@ -242,9 +243,8 @@ class Chunker:
             return f"token_id:{t}" if text is None else text
         sampled = [next(iter(e.items())) for e in entries]
         tokens = [name(*s) for s in sampled]
-        offsets = [self.offsets.get(index, 0)]   # (the same, streamed or not)
-        for token in tokens:
-            offsets.append(offsets[-1] + len(token))
+        # (the same, streamed or not)
+        offsets = list(itertools.accumulate(map(len, tokens), initial=self.offsets.get(index, 0)))
         self.offsets[index] = offsets.pop()
         # ("reversed": of tokens with the same name, the first wins)
         top = [None if lp is None else {name(t, x): x.logprob for t, x in reversed(e.items())}

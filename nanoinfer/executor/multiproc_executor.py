@@ -49,15 +49,14 @@ import torch
 
 from nanoinfer import distributed
 from nanoinfer.config import Config
-from nanoinfer.core.messages import GrammarOutput, SchedulerOutput
-from nanoinfer.core.messages import ModelRunnerOutput
+from nanoinfer.core.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from nanoinfer.worker.model_runner import ModelRunner
 from nanoinfer.executor.message_queue import MessageQueue
 from nanoinfer.utils import engine_num_threads
 
 
 class WorkerDiedError(RuntimeError):
-    pass
+    """A worker process died, or the workers were shut down: the message says which and why."""
 
 
 class MultiprocExecutor:

@@ -60,10 +60,9 @@ def make_kv_connector(config: Config, rank: int | None = 0):
 def kv_layout(config: Config) -> dict:
     """What a block's bytes are: the model, its dtype and the KV cache's shape and ranks."""
     hf = config.hf_config
-    spec = config.speculative
     eagle = config.num_lookahead_tokens > 0   # (EAGLE's draft layer is one more KV layer)
     return {"model": model_fingerprint(config.model, config.load_format, config.seed),
-            "draft_model": model_fingerprint(spec.model) if eagle else None,
+            "draft_model": model_fingerprint(config.speculative.model) if eagle else None,
             "dtype": str(config.torch_dtype), "block_size": config.block_size,
             "num_layers": hf.num_hidden_layers + eagle, "num_kv_heads": hf.num_key_value_heads,
             "head_dim": head_dim(hf), "tensor_parallel_size": config.tensor_parallel_size,

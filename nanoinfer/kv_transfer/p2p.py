@@ -279,7 +279,7 @@ class P2pConnector:
 
     def shutdown(self) -> None:
         self.closed = True
-        try:
+        with contextlib.suppress(RuntimeError):   # (the peer is gone already)
             if self.saver is not None:   # what is queued goes out; the consumer hears we stopped
                 self.saver.close()
                 if self.link is not None and not self.saver.thread.is_alive():
@@ -291,8 +291,6 @@ class P2pConnector:
                 link.set("left", "")
                 for n in (self.offer, self.offer + 1):   # (the offer it waits for, or the next)
                     link.set(f"offer{n}", "")
-        except RuntimeError:   # (the peer is gone already)
-            pass
         for thread in filter(None, (self.receiver, self.listener)):
             thread.join(5)
         self.link = self.store = self.block = None   # (the port, the KV cache: freed)

@@ -75,7 +75,7 @@ class SharedStorageConnector:
             self.failed(e)
 
     def register_kv_caches(self, kv_cache) -> None:
-        pass   # (files are read and written whole)
+        """Nothing to do: files are read and written whole."""
 
     # the scheduler's side
 
@@ -99,7 +99,7 @@ class SharedStorageConnector:
         return len(block_hashes)
 
     def request_finished(self, block_hashes: list[int]) -> None:
-        pass   # (the files stay for the next engine)
+        """Nothing to do: the files stay for the next engine."""
 
     # the worker's side
 

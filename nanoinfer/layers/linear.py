@@ -28,6 +28,7 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
+    """A linear layer's parameters; each subclass's `weight_loader` says how it is split."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
@@ -40,9 +41,6 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight) -> None:
-        copy_shard(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

@@ -33,11 +33,11 @@ def load_model(model: nn.Module, path: str) -> None:
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue   # a buffer some old checkpoints store; recomputed from the config
-                if (name == "lm_head.weight" and model.tie_word_embeddings
-                        or name.startswith(skipped)):
-                    continue   # tied: the LM head is the embedding; or the model does without it
+                # Not read: a buffer some old checkpoints store (recomputed from the config), a
+                # tied LM head (the embedding is), or what the model does without.
+                if name.endswith("rotary_emb.inv_freq") or name.startswith(skipped) \
+                        or name == "lm_head.weight" and model.tie_word_embeddings:
+                    continue
                 target, shard_id = getattr(model, "renamed_weights", {}).get(name, name), None
                 for ckpt_name, (packed_name, packed_shard) in model.packed_modules_mapping.items():
                     if f".{ckpt_name}." in name:

@@ -22,6 +22,7 @@ The state lives with the request in the scheduler, so preemption keeps it. With 
 the bitmask of step N + 1 needs step N's token: the engine then launches step N + 1's forward,
 waits for step N's tokens, advances the states, and only then samples (`EngineCore.step`).
 """
+import itertools
 import re
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -57,10 +58,7 @@ class Grammar:
 
     def states(self, drafts: list[int]) -> list[int]:
         """The state now and after each draft."""
-        states = [self.state]
-        for token_id in drafts:
-            states.append(self.index.advance(states[-1], token_id))
-        return states
+        return list(itertools.accumulate(drafts, self.index.advance, initial=self.state))
 
     def valid_drafts(self, drafts: list[int]) -> list[int]:
         """The drafts up to the first one the grammar does not allow."""

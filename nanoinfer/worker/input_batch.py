@@ -247,8 +247,7 @@ class InputBatch(SamplingInputs):
     def draft_inputs(self, step: StepInputs, sched: SchedulerOutput, num_drafts: np.ndarray
                      ) -> None:
         """The sampling requests' drafts (speculative decoding), padded with -1."""
-        spec = sched.scheduled_spec_decode_tokens
-        drafts = [spec.get(s, []) for s in step.sample_seq_ids]
+        drafts = [sched.scheduled_spec_decode_tokens.get(s, []) for s in step.sample_seq_ids]
         width = max(map(len, drafts))
         padded = np.array([d + [-1] * (width - len(d)) for d in drafts], np.int64)
         step.draft_token_ids, step.num_drafts = self.to_device(
@@ -287,9 +286,8 @@ class InputBatch(SamplingInputs):
                 targets.append(self.token_ids[rows[i], positions + 1])
         if not layout:
             return None
-        num_top = int(wanted.max())
         index, targets = self.to_device(np.int64, np.concatenate(index), np.concatenate(targets))
-        return layout, index, targets, num_top
+        return layout, index, targets, int(wanted.max())
 
     def record_sampled(self, seq_ids: list[int], sampled_token_ids: torch.Tensor) -> None:
         """Keep a step's samples on the device: the next step's decodes take their input from

@@ -131,8 +131,8 @@ class ModelRunner:
         config = self.config
         free_bytes = None
         if self.device.type == "cuda" and config.num_kvcache_blocks is None:
-            connector_bytes = getattr(self.kv_connector, "device_bytes", 0)
-            free_bytes = profile_free_memory(self) - connector_bytes
+            # (less what a KV connector keeps on the device)
+            free_bytes = profile_free_memory(self) - getattr(self.kv_connector, "device_bytes", 0)
         bytes_per_token = kv_bytes_per_token(self.attn_layers, self.dtype)
         num_blocks = check_kv_cache_holds_max_model_len(config, free_bytes, bytes_per_token)
         num_blocks = self.min_over_ranks(torch.tensor([num_blocks], device=self.device))
