@@ -119,14 +119,15 @@ class Config:
         spec = self.speculative
         return spec.num_speculative_tokens if spec is not None and spec.method == "eagle" else 0
 
-    @property
-    def kv_cache_bytes_per_token(self) -> int:
-        """The keys and values of one token, in every layer of the largest stage, on one rank."""
+    def kv_cache_bytes_per_token(self, stage: int | None = None) -> int:
+        """The keys and values of one token on one rank, in every layer of pipeline stage `stage`
+        (None: of the largest stage)."""
         hf = self.hf_config
         # (a KV head is replicated where there are more ranks than heads)
         num_kv_heads = max(1, hf.num_key_value_heads // self.tensor_parallel_size)
         pp = self.pipeline_parallel_size
-        num_layers = max(len(stage_layers(hf.num_hidden_layers, pp, stage)) for stage in range(pp))
+        stages = range(pp) if stage is None else [stage]
+        num_layers = max(len(stage_layers(hf.num_hidden_layers, pp, s)) for s in stages)
         if self.num_lookahead_tokens:   # EAGLE's draft layer
             num_layers += 1
         return 2 * num_layers * num_kv_heads * head_dim(hf) * self.torch_dtype.itemsize

@@ -100,10 +100,6 @@ class SamplingParams:
             ("top_p", _real(self.top_p, 0, 1) and self.top_p > 0, "must be a number in (0, 1]"),
             ("top_k", is_int(self.top_k, 0), "must be an integer >= 0, or -1 (all)"),
             ("min_p", _real(self.min_p, 0, 1), "must be a number in [0, 1]"),
-            ("presence_penalty", _real(self.presence_penalty, -2, 2),
-             "must be a number in [-2, 2]"),
-            ("frequency_penalty", _real(self.frequency_penalty, -2, 2),
-             "must be a number in [-2, 2]"),
             ("repetition_penalty", _real(self.repetition_penalty) and self.repetition_penalty > 0,
              "must be a finite number > 0"),
             ("seed", self.seed is None or is_int(self.seed, -2**63, 2**63 - 1),
@@ -118,10 +114,6 @@ class SamplingParams:
             ("stop_token_ids", isinstance(self.stop_token_ids, list)
              and all(is_int(t, 0) for t in self.stop_token_ids),
              "must be a list of integers >= 0"),
-            ("logprobs", self.logprobs is None or is_int(self.logprobs, 0),
-             "must be None or an integer >= 0"),
-            ("prompt_logprobs", self.prompt_logprobs is None or is_int(self.prompt_logprobs, 0),
-             "must be None or an integer >= 0"),
             ("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
                 is_int(t, 0) and _real(b) for t, b in self.logit_bias.items())),
              "must be None or a dict of token ids >= 0 to finite numbers"),
@@ -130,6 +122,10 @@ class SamplingParams:
             ("guided_decoding", self.guided_decoding is None
              or isinstance(self.guided_decoding, GuidedDecodingParams),
              "must be None or a GuidedDecodingParams"),
+        ] + [(name, _real(getattr(self, name), -2, 2), "must be a number in [-2, 2]")
+             for name in ("presence_penalty", "frequency_penalty")
+        ] + [(name, getattr(self, name) is None or is_int(getattr(self, name), 0),
+              "must be None or an integer >= 0") for name in ("logprobs", "prompt_logprobs")
         ] + [(name, isinstance(getattr(self, name), bool), "must be True or False")
              for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")]
 

@@ -286,7 +286,7 @@ def consume(path: str, port: int, paired) -> None:
 def test_point_to_point_received_blocks_are_bounded(llama_dir):
     """Room for two blocks: an offer of three brings its first two; the next offer evicts them."""
     port, prompts = free_port(), random_prompts([57, 40], seed=20)
-    block = Config(llama_dir, device="cpu").kv_cache_bytes_per_token * 16
+    block = Config(llama_dir, device="cpu").kv_cache_bytes_per_token() * 16
     producer = LLM(llama_dir, kv_transfer_config=p2p("kv_producer", port))
     consumer = LLM(llama_dir, kv_transfer_config=p2p("kv_consumer", port, kv_buffer_size=2 * block))
     sender, receiver = (llm.llm_engine.model_executor.kv_connector for llm in (producer, consumer))

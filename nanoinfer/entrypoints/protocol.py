@@ -122,11 +122,10 @@ def field_names(request, chat: bool) -> dict[str, str]:
     """SamplingParams' fields by the names the request gave them (the others: the same)."""
     guided = [f for f in ("guided_json", "guided_regex", "guided_choice")
               if getattr(request, f) is not None]
-    names = {"guided_decoding": (guided or ["response_format"])[0], "prompt": where(chat),
-             "logprobs": "top_logprobs" if chat else "logprobs"}
-    if chat and request.max_completion_tokens is not None:
-        names["max_tokens"] = "max_completion_tokens"
-    return names
+    chat_max = chat and request.max_completion_tokens is not None
+    return {"guided_decoding": (guided or ["response_format"])[0], "prompt": where(chat),
+            "logprobs": "top_logprobs" if chat else "logprobs",
+            "max_tokens": "max_completion_tokens" if chat_max else "max_tokens"}
 
 
 def sampling_params(request, prompt_lens: list[int], chat: bool, max_model_len: int
@@ -136,8 +135,7 @@ def sampling_params(request, prompt_lens: list[int], chat: bool, max_model_len: 
         raise APIError(400, f"the prompt has {max(prompt_lens)} tokens; this model's maximum "
                             f"context length is {max_model_len} (prompt and output)", where(chat))
     names = field_names(request, chat)
-    max_tokens = request.max_completion_tokens if "max_tokens" in names else request.max_tokens
-    names.setdefault("max_tokens", "max_tokens")
+    max_tokens = getattr(request, names["max_tokens"])
     if max_tokens is not None and max(prompt_lens) + max_tokens > max_model_len:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the "
                             f"prompt has {max(prompt_lens)} and {names['max_tokens']} asks for "
@@ -152,13 +150,11 @@ def sampling_params(request, prompt_lens: list[int], chat: bool, max_model_len: 
         prompt_logprobs = logprobs
     fields = {name: getattr(request, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "n", "presence_penalty",
-        "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
-        "include_stop_str_in_output", "skip_special_tokens")}
+        "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "stop",
+        "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")}
     try:
         return SamplingParams(
-            **fields, max_tokens=max_tokens, stop=request.stop,
-            stop_token_ids=request.stop_token_ids,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            **fields, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             guided_decoding=guided_decoding(request),
             logit_bias={int(k): v for k, v in (request.logit_bias or {}).items()} or None,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)

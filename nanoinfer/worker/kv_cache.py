@@ -44,11 +44,6 @@ def allocate_kv_cache(layers: list, num_blocks: int, block_size: int, dtype: tor
     return kv_cache
 
 
-def kv_bytes_per_token(layers: list, dtype: torch.dtype) -> int:
-    """This rank's keys and values of one token, in all its attention layers."""
-    return 2 * len(layers) * layers[0].num_kv_heads * layers[0].head_dim * dtype.itemsize
-
-
 @torch.inference_mode()
 def profile_free_memory(runner) -> float:
     """Bytes for the KV cache: run the largest step (without a real cache) and see what is

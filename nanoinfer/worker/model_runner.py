@@ -45,7 +45,7 @@ from nanoinfer.worker.async_output import AsyncModelRunnerOutput, to_host
 from nanoinfer.worker.cuda_graph import CUDAGraphRunner
 from nanoinfer.worker.input_batch import InputBatch, StepInputs
 from nanoinfer.worker.kv_cache import (allocate_kv_cache, check_kv_cache_holds_max_model_len,
-                                       kv_bytes_per_token, profile_free_memory)
+                                       profile_free_memory)
 
 
 @dataclass
@@ -79,7 +79,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             gpu_bytes = torch.cuda.mem_get_info(self.device)[1] * config.gpu_memory_utilization
         # (the block count comes later: after the weights, from what a profiling step leaves)
-        check_kv_cache_holds_max_model_len(config, gpu_bytes, config.kv_cache_bytes_per_token)
+        check_kv_cache_holds_max_model_len(config, gpu_bytes, config.kv_cache_bytes_per_token())
         self.model, self.drafter = self.load_model()
         self.sampler = Sampler()
         self.input_batch = InputBatch(config, self.device)
@@ -133,7 +133,7 @@ class ModelRunner:
         if self.device.type == "cuda" and config.num_kvcache_blocks is None:
             # (less what a KV connector keeps on the device)
             free_bytes = profile_free_memory(self) - getattr(self.kv_connector, "device_bytes", 0)
-        bytes_per_token = kv_bytes_per_token(self.attn_layers, self.dtype)
+        bytes_per_token = config.kv_cache_bytes_per_token(self.pp_group.rank_in_group)
         num_blocks = check_kv_cache_holds_max_model_len(config, free_bytes, bytes_per_token)
         num_blocks = self.min_over_ranks(torch.tensor([num_blocks], device=self.device))
         return allocate_kv_cache(self.attn_layers, int(num_blocks.item()), config.block_size,
