@@ -430,7 +430,9 @@ def test_vllm_gauges_follow_a_running_request(server):
     (COMPLETIONS, {"best_of": 3, "n": 2}, "best_of"),
     (COMPLETIONS, {"extra_body": {"guided_grammar": 'root ::= "a"'}}, "guided_grammar"),
     (CHAT, {"extra_body": {"guided_grammar": 'root ::= "a"'}}, "guided_grammar"),
-], ids=["tools", "suffix", "best_of", "best_of>n", "guided_grammar", "guided_grammar-chat"])
+    (COMPLETIONS, {"extra_body": {"allowed_token_ids": [5, 6]}}, "allowed_token_ids"),
+], ids=["tools", "suffix", "best_of", "best_of>n", "guided_grammar", "guided_grammar-chat",
+        "allowed_token_ids"])
 def test_fields_that_would_change_the_answer_are_refused(client, route, fields, param):
     with pytest.raises(openai.BadRequestError) as e:
         create(client, route, max_tokens=2, **fields)

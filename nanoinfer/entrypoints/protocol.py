@@ -24,7 +24,8 @@ from nanoinfer.sampling_params import GuidedDecodingParams, RequestOutputKind, S
 # fields we do not support, and the values of theirs that change nothing
 REFUSED = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
            "function_call": (None, "none", "auto"), "suffix": (None, ""), "guided_grammar": (None,),
-           "use_beam_search": (None, False), "audio": (None,), "modalities": (None, ["text"])}
+           "use_beam_search": (None, False), "audio": (None,), "modalities": (None, ["text"]),
+           "allowed_token_ids": (None,)}
 # a logit_bias key: a token id, as a string (JSON's keys are)
 TokenId = Annotated[str, Field(pattern="^[0-9]+$")]
 
