@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from nanoinfer.utils import is_int
+from nanoinfer.utils import check_int, is_int, require
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ALLOW_LONG = "NANOINFER_ALLOW_LONG_MAX_MODEL_LEN"
@@ -42,6 +42,12 @@ class Config:
     skip_tokenizer_init: bool = False    # prompts are token ids, outputs carry no text
     speculative_config: dict | None = None   # vLLM's keys: see SpeculativeConfig
     kv_transfer_config: dict | None = None   # vLLM's keys: see KVTransferConfig
+    # several nodes (executor/multinode.py), meeting at the head's master_addr:master_port
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None       # None: a free port (one node only)
+    headless: bool = False               # this node runs its ranks only (node_rank >= 1)
     speculative: "SpeculativeConfig | None" = field(init=False, default=None)
     kv_transfer: "KVTransferConfig | None" = field(init=False, default=None)
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -66,6 +72,7 @@ class Config:
                              f"are likely wrong. Set {ALLOW_LONG}=1 to allow it anyway")
         if self.world_size > 1:
             self.check_model_parallel()
+        self.check_nodes()
         if self.speculative_config is not None:
             if self.pipeline_parallel_size > 1:
                 raise ValueError("speculative decoding does not work with pipeline parallelism yet")
@@ -109,9 +116,27 @@ class Config:
         require(kv_heads % tp == 0 or tp % kv_heads == 0, f"tensor_parallel_size={tp} neither "
                 f"divides nor is a multiple of the model's num_key_value_heads={kv_heads}")
         gpus = torch.cuda.device_count()
-        require(self.device != "cuda" or gpus >= self.world_size, f"tensor_parallel_size={tp} x "
-                f"pipeline_parallel_size={pp} needs {self.world_size} GPUs, this machine has "
-                f"{gpus}")
+        per_node = self.world_size // self.nnodes
+        require(self.device != "cuda" or gpus >= per_node, f"tensor_parallel_size={tp} x "
+                f"pipeline_parallel_size={pp} over nnodes={self.nnodes} needs {per_node} GPUs "
+                f"on each node, this one has {gpus}")
+
+    def check_nodes(self) -> None:
+        """The ranks split evenly over the nodes, each tensor-parallel group inside one."""
+        n = self.nnodes
+        require(is_int(n, 1) and is_int(self.node_rank, 0, n - 1), f"nnodes must be an integer "
+                f">= 1 and node_rank one in [0, nnodes), got {n!r} and {self.node_rank!r}")
+        require(self.headless == (self.node_rank > 0), "node_rank 0 runs the engine and each "
+                "other node only its ranks: pass headless=True (--headless) exactly when node_rank "
+                f">= 1, got node_rank={self.node_rank}, headless={self.headless}")
+        if n > 1:   # (whole stages to a node: a tensor-parallel group's all-reduce in every
+            # layer needs a node's own links, a stage boundary only one send a step)
+            pp = self.pipeline_parallel_size
+            require(pp % n == 0, f"pipeline_parallel_size={pp} does not split over nnodes={n}: "
+                    "each node must hold whole pipeline stages, else a tensor-parallel group "
+                    f"(tensor_parallel_size={self.tensor_parallel_size}) would span nodes")
+            require(is_int(self.master_port, 1, 65535), f"nnodes={n} needs master_port, the "
+                    f"head's rendezvous port, got {self.master_port!r}")
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -232,16 +257,6 @@ def stage_layers(num_layers: int, pipeline_parallel_size: int, stage: int) -> ra
     for i in range(num_layers % pipeline_parallel_size):
         sizes[-2 - i] += 1
     return range(sum(sizes[:stage]), sum(sizes[:stage + 1]))
-
-
-def require(ok: bool, message: str) -> None:
-    """A ValueError saying `message`, unless `ok`."""
-    if not ok:
-        raise ValueError(message)
-
-
-def check_int(name: str, value, minimum: int) -> None:
-    require(is_int(value, minimum), f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def download(model: str, load_format: str) -> str:

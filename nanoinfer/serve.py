@@ -1,6 +1,7 @@
 """`python -m nanoinfer.serve --model PATH [--port 8000] [--host 127.0.0.1] [--api-key KEY]
 [--data-parallel-size N] [--max-request-bytes N] [--shutdown-timeout S] [engine options]`: the
-OpenAI-compatible server (entrypoints/).
+OpenAI-compatible server (entrypoints/). With `--headless` (and `--nnodes N --node-rank R
+--master-addr HEAD --master-port PORT`), a node of a model over several nodes: its ranks only.
 
 Every engine option of `Config` is a flag of the same name in vLLM's spelling
 (`--max-model-len 4096`, `--tensor-parallel-size 2`, `--enable-prefix-caching` /
@@ -46,7 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             parser.add_argument(flag, type=json.loads if kind is dict else kind, default=f.default)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.nnodes > 1 and args.data_parallel_size > 1:
+        parser.error("--data-parallel-size with --nnodes > 1 is not supported yet")
+    return args
 
 
 def main(argv=None) -> None:
@@ -70,6 +74,9 @@ def main(argv=None) -> None:
             name = args.served_model_name or "SmolLM2-135M-Instruct"
         options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
                    if f.init and f.name != "model" and hasattr(args, f.name)}
+        if args.headless:   # a node of a model over several nodes: its ranks only, no front end
+            from nanoinfer.executor.multiproc_executor import run_headless
+            sys.exit(run_headless(Config(args.model, **options)))
         engine = AsyncLLM(args.model, data_parallel_size=args.data_parallel_size, **options)
     except KeyboardInterrupt:
         print("nanoinfer: stopped while starting", flush=True)

@@ -13,6 +13,16 @@ def is_int(value, low: float = -math.inf, high: float = math.inf) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
+def require(ok: bool, message: str) -> None:
+    """A ValueError saying `message`, unless `ok`."""
+    if not ok:
+        raise ValueError(message)
+
+
+def check_int(name: str, value, minimum: int) -> None:
+    require(is_int(value, minimum), f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
 def engine_num_threads(device: str, num_procs: int) -> int:
     """torch's intra-op threads for each of the `num_procs` processes that run the model on this
     host. On the CPU, an equal share of the cores this process may run on less one, at least one:

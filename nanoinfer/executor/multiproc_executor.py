@@ -35,11 +35,13 @@ engine's next wait raises `WorkerDiedError` saying which worker died and why. Wo
 Ctrl-C: the engine takes it and shuts them down.
 """
 import contextlib
+import functools
 import multiprocessing as mp
 import os
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -52,6 +54,7 @@ from nanoinfer.config import Config
 from nanoinfer.core.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from nanoinfer.worker.model_runner import ModelRunner
 from nanoinfer.executor.message_queue import MessageQueue
+from nanoinfer.executor.multinode import connect, driver_rank, node_ranks
 from nanoinfer.utils import engine_num_threads
 
 
@@ -66,8 +69,12 @@ class MultiprocExecutor:
             raise RuntimeError("a tensor-parallel worker, importing the main script, was asked to "
                                "start an LLM itself: create it under `if __name__ == '__main__':` "
                                "in your script")
+        if config.headless:
+            raise ValueError("a headless node runs no engine: start it with `python -m "
+                             "nanoinfer.serve ... --headless`")
         ctx = mp.get_context("spawn")
-        self.queue = MessageQueue(num_readers=config.world_size)   # calls, to every rank
+        ranks = node_ranks(config)
+        self.queue = MessageQueue(num_readers=len(ranks))   # calls, to every rank of this node
         self.responses = MessageQueue(num_readers=1)   # the driver's outputs, to this process
         self.errors = ctx.SimpleQueue()   # a dying worker's (ValueError message or None, traceback)
         self.workers: list[mp.Process] = []
@@ -75,14 +82,13 @@ class MultiprocExecutor:
         self.setting_error: str | None = None   # the message of a ValueError a worker died of
         self.closed = False
         self.lock = threading.Lock()   # between shutdown() and the monitor thread
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        init_method = f"tcp://{config.master_addr}:{config.master_port or free_port()}"
+        writer = driver_rank(config) if config.nnodes == 1 else 0   # (rank 0 relays: multinode.py)
         try:
-            for rank in range(config.world_size):
-                self.workers.append(ctx.Process(
-                    target=worker_main, name=f"nanoinfer-tp{rank}", daemon=True,
-                    args=(config, rank, init_method, self.queue,
-                          self.responses if rank == driver_rank(config) else None, self.errors)))
-                self.workers[-1].start()
+            for rank in ranks:
+                self.workers.append(start_worker(ctx, config, rank, init_method, self.queue,
+                                                 self.responses if rank == writer else None,
+                                                 self.errors))
             self.responses.as_reader(0)
             threading.Thread(target=self.monitor_workers, daemon=True).start()
             # the driver is ready
@@ -181,6 +187,31 @@ def stop_processes(procs: list, timeout: float) -> None:
                 proc.join()
 
 
+def start_worker(ctx, config: Config, rank: int, init_method: str, calls: MessageQueue | None,
+                 responses: MessageQueue | None, errors) -> mp.Process:
+    worker = ctx.Process(target=worker_main, name=f"nanoinfer-tp{rank}", daemon=True,
+                         args=(config, rank, init_method, calls, responses, errors))
+    worker.start()
+    return worker
+
+
+def run_headless(config: Config) -> int:
+    """A node other than the head (multinode.py): start its ranks, and return once they have
+    exited (on the head's "shutdown", or when the head is gone) an exit status, 1 if one failed."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    init_method = f"tcp://{config.master_addr}:{config.master_port}"
+    workers = [start_worker(ctx, config, rank, init_method, None, None, errors)
+               for rank in node_ranks(config)]
+    handles = {w.sentinel: w for w in workers}
+    first = handles[wait_for_any(list(handles))[0]]
+    first.join()
+    stop_processes(workers, 5 if first.exitcode == 0 else 0)
+    while not errors.empty():
+        print(f"nanoinfer: {errors.get()[1]}", file=sys.stderr, flush=True)
+    return 1 if any(w.exitcode for w in workers) else 0
+
+
 def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue,
                 responses: MessageQueue | None, errors) -> None:
     """A worker's life: join the group, build the model shard, then run calls until "shutdown"."""
@@ -188,13 +219,17 @@ def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    calls.as_reader(rank)
+    if calls is not None:   # (a rank of another node than the head's reads from the network)
+        calls.as_reader(rank)
     try:
         distributed.init_distributed(rank, config.world_size, init_method,
                                      "nccl" if config.device == "cuda" else "gloo",
                                      config.tensor_parallel_size)
+        if config.nnodes > 1:
+            calls, responses = connect(config, rank, calls, responses,
+                                       functools.partial(report, errors, rank))
         if "OMP_NUM_THREADS" not in os.environ:   # (set by the user, or by a server for its cores)
-            torch.set_num_threads(engine_num_threads(config.device, config.world_size))
+            torch.set_num_threads(engine_num_threads(config.device, len(node_ranks(config))))
         runner = ModelRunner(config)
         outputs = queue.SimpleQueue()   # the driver: launched steps' outputs, for the sender thread
         driver = rank == driver_rank(config)
@@ -246,11 +281,6 @@ def exit_with_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     os._exit(1)   # the engine's process is gone: nobody will send another step
-
-
-def driver_rank(config: Config) -> int:
-    """The rank that samples and sends the outputs: the last stage's first."""
-    return config.world_size - config.tensor_parallel_size
 
 
 def free_port() -> int:
