@@ -1,0 +1,138 @@
+"""Two nodes on one machine: the head (`LLM(..., nnodes=2, node_rank=0)`) in this process, and a
+second node started as `python -m nanoinfer.serve ... --node-rank 1 --headless`, a process tree of
+its own that knows of the head only its address and port, over gloo on 127.0.0.1.
+
+Greedy tokens equal transformers' (and one process's) with one pipeline stage on each node, and
+with two tensor-parallel ranks in each stage; the other node's ranks get their calls from the
+network, not the head's shared memory; the headless node exits, leaving no process behind, when
+the head shuts down and when the head's ranks die; a layout that would put a tensor-parallel group
+across nodes is refused with a message that says why.
+"""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import hf_greedy, random_prompts, save_model
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.config import Config
+from nanoinfer.executor.multinode import driver_rank, node_ranks
+from nanoinfer.serve import parse_args
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def three_layer_dir(tmp_path_factory) -> str:
+    return save_model("qwen2", str(tmp_path_factory.mktemp("qwen2") / "m"), num_hidden_layers=3)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_nodes(path: str, tp: int) -> tuple[LLM, subprocess.Popen]:
+    """The headless node first (its ranks wait at the head's port), then the head."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    node = subprocess.Popen([sys.executable, "-m", "nanoinfer.serve", "--model", path, "--device", "cpu",
+                             "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", "2",
+                             "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                             "--master-port", str(port), "--headless"], env=env)
+    try:
+        llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=2, nnodes=2, node_rank=0,
+                  master_addr="127.0.0.1", master_port=port)
+    except BaseException:
+        node.kill()
+        raise
+    return llm, node
+
+
+def assert_exits_with_its_processes(node: subprocess.Popen, expected_status: int) -> None:
+    tree = psutil.Process(node.pid).children(recursive=True)
+    assert node.wait(timeout=30) == expected_status
+    deadline = time.monotonic() + 10
+    while alive := [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
+        assert time.monotonic() < deadline, f"left behind: {alive}"
+        time.sleep(0.2)
+
+
+def maps_of(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_nodes_match_transformers_and_one_process(three_layer_dir, tp):
+    prompts = random_prompts([5, 23, 40], seed=1)
+    llm, node = start_nodes(three_layer_dir, tp)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        ring = llm.llm_engine.model_executor.queue.shm.name
+        head_ranks = [w.pid for w in llm.llm_engine.model_executor.workers]
+        remote_ranks = [p.pid for p in psutil.Process(node.pid).children()
+                        if any("spawn_main" in part for part in p.cmdline())]
+        assert len(head_ranks) == len(remote_ranks) == tp
+        assert all(ring in maps_of(pid) for pid in head_ranks)
+        assert not any(ring in maps_of(pid) for pid in remote_ranks)
+        llm.shutdown()
+        assert_exits_with_its_processes(node, 0)
+    finally:
+        node.kill()
+    one = LLM(three_layer_dir)
+    try:
+        assert got == [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        one.shutdown()
+    assert got == [hf_greedy(three_layer_dir, p, 12) for p in prompts]
+
+
+def test_headless_node_exits_when_the_head_dies(three_layer_dir):
+    llm, node = start_nodes(three_layer_dir, 1)
+    try:
+        llm.generate(random_prompts([7]), GREEDY, use_tqdm=False)
+        llm.llm_engine.model_executor.shutdown(graceful=False)   # the head's ranks killed
+        assert_exits_with_its_processes(node, 1)
+    finally:
+        node.kill()
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("nnodes", [1, 2, 4])
+def test_each_tensor_parallel_group_inside_one_node(llama_dir, tp, pp, nnodes):
+    """Accepted exactly when whole stages go to each node; then the nodes' ranks cover the world
+    in order, each tensor-parallel group inside one node, the driver on the last."""
+    nodes = {"nnodes": nnodes, "master_port": 29500, "device": "cpu"}
+    if pp % nnodes:
+        with pytest.raises(ValueError, match=f"pipeline_parallel_size={pp} does not split over "
+                           f"nnodes={nnodes}: .* a tensor-parallel group .* would span nodes"):
+            Config(llama_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **nodes)
+        return
+    configs = [Config(llama_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, node_rank=n,
+                      headless=n > 0, **nodes) for n in range(nnodes)]
+    ranks = [node_ranks(c) for c in configs]
+    assert [r for node in ranks for r in node] == list(range(tp * pp))
+    for first in range(0, tp * pp, tp):
+        assert any(first in node and first + tp - 1 in node for node in ranks)
+    assert driver_rank(configs[0]) in ranks[-1]
+
+
+def test_bad_node_settings(llama_dir):
+    with pytest.raises(ValueError, match="nnodes=2 needs master_port"):
+        Config(llama_dir, pipeline_parallel_size=2, nnodes=2)
+    with pytest.raises(ValueError, match="node_rank one in \\[0, nnodes\\), got 2 and 2"):
+        Config(llama_dir, pipeline_parallel_size=2, nnodes=2, node_rank=2, master_port=29500)
+    with pytest.raises(ValueError, match="headless=True .* exactly when node_rank >= 1"):
+        Config(llama_dir, pipeline_parallel_size=2, nnodes=2, node_rank=1, master_port=29500)
+    with pytest.raises(ValueError, match="a headless node runs no engine"):
+        LLM(llama_dir, pipeline_parallel_size=2, nnodes=2, node_rank=1, headless=True, master_port=29500)
+    with pytest.raises(SystemExit):   # (argparse's usage error)
+        parse_args(["--nnodes", "2", "--data-parallel-size", "2"])
