@@ -32,7 +32,7 @@ MECHANISMS = {
         ["worker/cuda_graph.py", "kernels/", "attention/triton_backend.py"],
         ["worker/kv_cache.py:profile_free_memory"]),
     "9. Tensor parallelism (worker processes, shared-memory step message)": (
-        ["executor/"],
+        ["executor/message_queue.py", "executor/multiproc_executor.py"],
         ["worker/model_runner.py:ModelRunner.receive_tokens",
          "worker/model_runner.py:ModelRunner.min_over_ranks"]),
     "10. Speculative decoding": (
@@ -67,6 +67,10 @@ MECHANISMS = {
          "worker/model_runner.py:ModelRunner.intermediate",
          "distributed.py:GroupCoordinator.send_next",
          "distributed.py:GroupCoordinator.recv_prev"]),
+    "13. Multi-node (ranks on several nodes, the step message over gloo)": (
+        ["executor/multinode.py"],
+        ["config.py:Config.check_nodes",
+         "executor/multiproc_executor.py:run_headless"]),
     "14. KV connectors and disaggregated serving": (
         ["kv_transfer/", "entrypoints/disagg_proxy.py"],
         ["core/scheduler_hooks.py:SchedulerHooks.external_blocks",

@@ -9,8 +9,8 @@ node runs `python -m nanoinfer.serve --model M ... --nnodes N --node-rank n --ma
 Everything meets at torch.distributed's rendezvous on the head (`tcp://HEAD:PORT`), and what
 crosses the network goes over torch.distributed, on gloo CPU groups of its own:
 
-    engine ──shm ring──> the head's ranks; rank 0's relay thread ──broadcast──> every remote rank
-    engine <──shm ring── rank 0's other thread <──send── the driver (the last stage, on the last node)
+    engine ──shm ring──> the head's ranks; rank 0's thread ──broadcast──> every remote rank
+    engine <──shm ring── rank 0's other thread <──── the driver (last stage, on the last node)
 
 Why this way. The engine's process is no rank (section 9 of docs/ARCHITECTURE.md: only a rank's
 end frees its GPU), but rank 0 reads every call anyway: it passes each on, pickled, in one
