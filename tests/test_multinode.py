@@ -6,7 +6,8 @@ Greedy tokens equal transformers' (and one process's) with one pipeline stage on
 with two tensor-parallel ranks in each stage; the other node's ranks get their calls from the
 network, not the head's shared memory; the headless node exits, leaving no process behind, when
 the head shuts down and when the head's ranks die; a layout that would put a tensor-parallel group
-across nodes is refused with a message that says why.
+across nodes is refused with a message that says why; when the other node dies, the head's
+requests fail with an error instead of waiting forever.
 """
 import os
 import socket
@@ -21,6 +22,7 @@ from conftest import hf_greedy, random_prompts, save_model
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.executor.multinode import driver_rank, node_ranks
+from nanoinfer.executor.multiproc_executor import WorkerDiedError
 from nanoinfer.serve import parse_args
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -68,6 +70,7 @@ def maps_of(pid: int) -> str:
         return f.read()
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_two_nodes_match_transformers_and_one_process(three_layer_dir, tp):
     prompts = random_prompts([5, 23, 40], seed=1)
@@ -93,12 +96,30 @@ def test_two_nodes_match_transformers_and_one_process(three_layer_dir, tp):
     assert got == [hf_greedy(three_layer_dir, p, 12) for p in prompts]
 
 
+@pytest.mark.timeout(180)
 def test_headless_node_exits_when_the_head_dies(three_layer_dir):
     llm, node = start_nodes(three_layer_dir, 1)
     try:
         llm.generate(random_prompts([7]), GREEDY, use_tqdm=False)
         llm.llm_engine.model_executor.shutdown(graceful=False)   # the head's ranks killed
         assert_exits_with_its_processes(node, 1)
+    finally:
+        node.kill()
+        llm.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_requests_fail_when_the_other_node_dies(three_layer_dir):
+    """Never a hang: the head's rank 0 finds the other node's connections closed, and dies."""
+    llm, node = start_nodes(three_layer_dir, 1)
+    try:
+        llm.generate(random_prompts([7]), GREEDY, use_tqdm=False)
+        tree = psutil.Process(node.pid).children(recursive=True)
+        node.kill()
+        for proc in tree:
+            proc.kill()
+        with pytest.raises(WorkerDiedError, match="nanoinfer-tp0 .* died"):
+            llm.generate(random_prompts([7]), GREEDY, use_tqdm=False)
     finally:
         node.kill()
         llm.shutdown()

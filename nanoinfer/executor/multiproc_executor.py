@@ -32,7 +32,7 @@ gone, or on their own error, which they report before exiting. A monitor thread 
 workers' process handles: when one dies it records why and kills the others (a rank whose peer
 died may wait inside a CUDA graph forever: only its process's end frees its GPU), and the
 engine's next wait raises `WorkerDiedError` saying which worker died and why. Workers ignore
-Ctrl-C: the engine takes it and shuts them down.
+Ctrl-C: the engine takes it and shuts them down. Ranks on other nodes: multinode.py.
 """
 import contextlib
 import functools
@@ -82,7 +82,7 @@ class MultiprocExecutor:
         self.setting_error: str | None = None   # the message of a ValueError a worker died of
         self.closed = False
         self.lock = threading.Lock()   # between shutdown() and the monitor thread
-        init_method = f"tcp://{config.master_addr}:{config.master_port or free_port()}"
+        init_method = rendezvous(config)
         writer = driver_rank(config) if config.nnodes == 1 else 0   # (rank 0 relays: multinode.py)
         try:
             for rank in ranks:
@@ -200,7 +200,7 @@ def run_headless(config: Config) -> int:
     exited (on the head's "shutdown", or when the head is gone) an exit status, 1 if one failed."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    init_method = f"tcp://{config.master_addr}:{config.master_port}"
+    init_method = rendezvous(config)
     workers = [start_worker(ctx, config, rank, init_method, None, None, errors)
                for rank in node_ranks(config)]
     handles = {w.sentinel: w for w in workers}
@@ -281,6 +281,11 @@ def exit_with_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     os._exit(1)   # the engine's process is gone: nobody will send another step
+
+
+def rendezvous(config: Config) -> str:
+    """torch.distributed's init method: the head's TCPStore (one node's: at a free port)."""
+    return f"tcp://{config.master_addr}:{config.master_port or free_port()}"
 
 
 def free_port() -> int:
