@@ -48,6 +48,7 @@ from nanoinfer.config import Config, check_int
 from nanoinfer.engine.core import EngineCore
 from nanoinfer.core.messages import EngineCoreRequest, SchedulerStats
 from nanoinfer.engine.exceptions import EngineDeadError
+from nanoinfer.executor.multinode import node_ranks
 from nanoinfer.executor.multiproc_executor import stop_processes
 from nanoinfer.utils import engine_num_threads
 
@@ -123,8 +124,9 @@ def start_cores(config: Config, data_parallel_size: int) -> tuple[list, list]:
     conns = []
     procs = []
     saved = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
-    gpus = core_gpus(data_parallel_size, config.world_size) if config.device == "cuda" else None
-    threads = engine_num_threads(config.device, data_parallel_size * config.world_size)
+    ranks = len(node_ranks(config))   # (of this node: other nodes run theirs)
+    gpus = core_gpus(data_parallel_size, ranks) if config.device == "cuda" else None
+    threads = engine_num_threads(config.device, data_parallel_size * ranks)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     try:
         for rank in range(data_parallel_size):
