@@ -70,9 +70,9 @@ class Config:
             raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's "
                              f"context (max_position_embeddings={model_len}): outputs past it "
                              f"are likely wrong. Set {ALLOW_LONG}=1 to allow it anyway")
+        self.check_nodes()
         if self.world_size > 1:
             self.check_model_parallel()
-        self.check_nodes()
         if self.speculative_config is not None:
             if self.pipeline_parallel_size > 1:
                 raise ValueError("speculative decoding does not work with pipeline parallelism yet")
@@ -129,14 +129,14 @@ class Config:
         require(self.headless == (self.node_rank > 0), "node_rank 0 runs the engine and each "
                 "other node only its ranks: pass headless=True (--headless) exactly when node_rank "
                 f">= 1, got node_rank={self.node_rank}, headless={self.headless}")
-        if n > 1:   # (whole stages to a node: a tensor-parallel group's all-reduce in every
-            # layer needs a node's own links, a stage boundary only one send a step)
-            pp = self.pipeline_parallel_size
-            require(pp % n == 0, f"pipeline_parallel_size={pp} does not split over nnodes={n}: "
-                    "each node must hold whole pipeline stages, else a tensor-parallel group "
-                    f"(tensor_parallel_size={self.tensor_parallel_size}) would span nodes")
-            require(is_int(self.master_port, 1, 65535), f"nnodes={n} needs master_port, the "
-                    f"head's rendezvous port, got {self.master_port!r}")
+        # (whole stages to a node: a tensor-parallel group's all-reduce in every layer needs a
+        # node's own links, a stage boundary only one send a step)
+        pp = self.pipeline_parallel_size
+        require(pp % n == 0, f"pipeline_parallel_size={pp} does not split over nnodes={n}: each "
+                "node holds whole pipeline stages (a tensor-parallel group never spans nodes)")
+        require(is_int(self.master_port, 1, 65535) if n > 1 else self.master_port is None,
+                f"master_port is the head's rendezvous port when nnodes > 1 (one node's ranks meet "
+                f"at a free port of 127.0.0.1), got master_port={self.master_port!r}, nnodes={n}")
 
     @property
     def num_lookahead_tokens(self) -> int:

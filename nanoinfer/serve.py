@@ -76,7 +76,12 @@ def main(argv=None) -> None:
                    if f.init and f.name != "model" and hasattr(args, f.name)}
         if args.headless:   # a node of a model over several nodes: its ranks only, no front end
             from nanoinfer.executor.multiproc_executor import run_headless
-            sys.exit(run_headless(Config(args.model, **options)))
+            config = Config(args.model, **options)
+            try:
+                sys.exit(run_headless(config))
+            except KeyboardInterrupt:   # (its ranks stop with it)
+                print("nanoinfer: node stopped", flush=True)
+                sys.exit(130)
         engine = AsyncLLM(args.model, data_parallel_size=args.data_parallel_size, **options)
     except KeyboardInterrupt:
         print("nanoinfer: stopped while starting", flush=True)

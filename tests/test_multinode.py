@@ -43,7 +43,8 @@ def start_nodes(path: str, tp: int) -> tuple[LLM, subprocess.Popen]:
     """The headless node first (its ranks wait at the head's port), then the head."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    node = subprocess.Popen([sys.executable, "-m", "nanoinfer.serve", "--model", path, "--device", "cpu",
+    node = subprocess.Popen([sys.executable, "-m", "nanoinfer.serve", "--model", path,
+                             "--device", "cpu",
                              "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", "2",
                              "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
                              "--master-port", str(port), "--headless"], env=env)
@@ -90,7 +91,8 @@ def test_two_nodes_match_transformers_and_one_process(three_layer_dir, tp):
         node.kill()
     one = LLM(three_layer_dir)
     try:
-        assert got == [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+        expected = one.generate(prompts, GREEDY, use_tqdm=False)
+        assert got == [o.outputs[0].token_ids for o in expected]
     finally:
         one.shutdown()
     assert got == [hf_greedy(three_layer_dir, p, 12) for p in prompts]
@@ -131,10 +133,10 @@ def test_requests_fail_when_the_other_node_dies(three_layer_dir):
 def test_each_tensor_parallel_group_inside_one_node(llama_dir, tp, pp, nnodes):
     """Accepted exactly when whole stages go to each node; then the nodes' ranks cover the world
     in order, each tensor-parallel group inside one node, the driver on the last."""
-    nodes = {"nnodes": nnodes, "master_port": 29500, "device": "cpu"}
+    nodes = {"nnodes": nnodes, "master_port": 29500 if nnodes > 1 else None, "device": "cpu"}
     if pp % nnodes:
         with pytest.raises(ValueError, match=f"pipeline_parallel_size={pp} does not split over "
-                           f"nnodes={nnodes}: .* a tensor-parallel group .* would span nodes"):
+                           f"nnodes={nnodes}: each node holds whole pipeline stages"):
             Config(llama_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **nodes)
         return
     configs = [Config(llama_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, node_rank=n,
@@ -147,13 +149,22 @@ def test_each_tensor_parallel_group_inside_one_node(llama_dir, tp, pp, nnodes):
 
 
 def test_bad_node_settings(llama_dir):
-    with pytest.raises(ValueError, match="nnodes=2 needs master_port"):
+    with pytest.raises(ValueError, match="rendezvous port when nnodes > 1 .* got master_port=None"):
         Config(llama_dir, pipeline_parallel_size=2, nnodes=2)
+    with pytest.raises(ValueError, match="got master_port=70000, nnodes=2"):
+        Config(llama_dir, pipeline_parallel_size=2, nnodes=2, master_port=70000)
+    # (one node's ranks meet at a free port: a fixed one would clash between data-parallel cores)
+    with pytest.raises(ValueError, match="got master_port=29500, nnodes=1"):
+        Config(llama_dir, tensor_parallel_size=2, master_port=29500)
+    for nnodes in (0, "2", None):
+        with pytest.raises(ValueError, match=f"nnodes must be an integer >= 1 .* got {nnodes!r}"):
+            Config(llama_dir, tensor_parallel_size=2, nnodes=nnodes)
     with pytest.raises(ValueError, match="node_rank one in \\[0, nnodes\\), got 2 and 2"):
         Config(llama_dir, pipeline_parallel_size=2, nnodes=2, node_rank=2, master_port=29500)
     with pytest.raises(ValueError, match="headless=True .* exactly when node_rank >= 1"):
         Config(llama_dir, pipeline_parallel_size=2, nnodes=2, node_rank=1, master_port=29500)
     with pytest.raises(ValueError, match="a headless node runs no engine"):
-        LLM(llama_dir, pipeline_parallel_size=2, nnodes=2, node_rank=1, headless=True, master_port=29500)
+        LLM(llama_dir, pipeline_parallel_size=2, nnodes=2, node_rank=1, headless=True,
+            master_port=29500)
     with pytest.raises(SystemExit):   # (argparse's usage error)
         parse_args(["--nnodes", "2", "--data-parallel-size", "2"])

@@ -204,9 +204,13 @@ def run_headless(config: Config) -> int:
     workers = [start_worker(ctx, config, rank, init_method, None, None, errors)
                for rank in node_ranks(config)]
     handles = {w.sentinel: w for w in workers}
-    first = handles[wait_for_any(list(handles))[0]]
-    first.join()
-    stop_processes(workers, 5 if first.exitcode == 0 else 0)
+    try:
+        first = handles[wait_for_any(list(handles))[0]]
+        first.join()
+        stop_processes(workers, 5 if first.exitcode == 0 else 0)
+    except KeyboardInterrupt:   # (Ctrl-C or SIGTERM to the node: its ranks stop with it)
+        stop_processes(workers, 0)
+        raise
     while not errors.empty():
         print(f"nanoinfer: {errors.get()[1]}", file=sys.stderr, flush=True)
     return 1 if any(w.exitcode for w in workers) else 0
@@ -285,7 +289,9 @@ def exit_with_parent(parent_pid: int) -> None:
 
 def rendezvous(config: Config) -> str:
     """torch.distributed's init method: the head's TCPStore (one node's: at a free port)."""
-    return f"tcp://{config.master_addr}:{config.master_port or free_port()}"
+    if config.nnodes == 1:
+        return f"tcp://127.0.0.1:{free_port()}"
+    return f"tcp://{config.master_addr}:{config.master_port}"
 
 
 def free_port() -> int:
