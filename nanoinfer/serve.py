@@ -75,13 +75,15 @@ def main(argv=None) -> None:
         options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
                    if f.init and f.name != "model" and hasattr(args, f.name)}
         if args.headless:   # a node of a model over several nodes: its ranks only, no front end
-            from nanoinfer.executor.multiproc_executor import run_headless
+            from nanoinfer.executor.multinode import run_headless
             config = Config(args.model, **options)
             try:
                 sys.exit(run_headless(config))
             except KeyboardInterrupt:   # (its ranks stop with it)
                 print("nanoinfer: node stopped", flush=True)
                 sys.exit(130)
+            except Exception as e:   # (no head, a wrong key, refused: the message says which)
+                sys.exit(f"nanoinfer: node {config.node_rank}: {e}")
         engine = AsyncLLM(args.model, data_parallel_size=args.data_parallel_size, **options)
     except KeyboardInterrupt:
         print("nanoinfer: stopped while starting", flush=True)

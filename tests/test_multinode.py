@@ -1,18 +1,25 @@
 """Two nodes on one machine: the head (`LLM(..., nnodes=2, node_rank=0)`) in this process, and a
 second node started as `python -m nanoinfer.serve ... --node-rank 1 --headless`, a process tree of
-its own that knows of the head only its address and port, over gloo on 127.0.0.1.
+its own that knows of the head only its address, port and key, over gloo on 127.0.0.1.
 
 Greedy tokens equal transformers' (and one process's) with one pipeline stage on each node, and
-with two tensor-parallel ranks in each stage; the other node's ranks get their calls from the
-network, not the head's shared memory; the headless node exits, leaving no process behind, when
-the head shuts down and when the head's ranks die; a layout that would put a tensor-parallel group
-across nodes is refused with a message that says why; when the other node dies, the head's
-requests fail with an error instead of waiting forever.
+with two tensor-parallel ranks in each stage; the other node's ranks get their calls from their
+own node's shared memory, not the head's; the headless node exits, leaving no process behind, when
+the head shuts down, when the head's ranks die and when the head goes silent; a layout that would
+put a tensor-parallel group across nodes is refused with a message that says why; when the other
+node dies or goes silent, the head's requests fail with an error within the node timeout instead
+of waiting forever, and a server's /health turns 503; the head refuses a wrong key, a stray client
+and a node that runs another dtype, and goes on waiting; a node started before its head waits for
+it, saying for what, and gives up after the start timeout.
 """
+import contextlib
+import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -21,11 +28,18 @@ import pytest
 from conftest import hf_greedy, random_prompts, save_model
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
-from nanoinfer.executor.multinode import driver_rank, node_ranks
+from nanoinfer.executor.multinode import accept_nodes, driver_rank, join_head, node_ranks
 from nanoinfer.executor.multiproc_executor import WorkerDiedError
 from nanoinfer.serve import parse_args
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def cluster_key(monkeypatch):
+    """Every node's secret (the headless nodes inherit the environment), and short timeouts."""
+    monkeypatch.setenv("NANOINFER_CLUSTER_KEY", "test-secret")
+    monkeypatch.setenv("NANOINFER_NODE_TIMEOUT", "4")
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +53,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_node(path: str, tp: int, port: int, *args: str, key: str = "test-secret",
+               env: dict | None = None, **popen) -> subprocess.Popen:
+    """`serve --headless` as node 1 of 2, with one pipeline stage of `tp` ranks."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), NANOINFER_CLUSTER_KEY=key, **(env or {}))
+    return subprocess.Popen([sys.executable, "-m", "nanoinfer.serve", "--model", path,
+                             "--device", "cpu", "--tensor-parallel-size", str(tp),
+                             "--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+                             "--master-addr", "127.0.0.1", "--master-port", str(port),
+                             "--headless", *args], env=env, **popen)
+
+
 def start_nodes(path: str, tp: int) -> tuple[LLM, subprocess.Popen]:
-    """The headless node first (its ranks wait at the head's port), then the head."""
+    """The headless node first (it waits for the head), then the head."""
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    node = subprocess.Popen([sys.executable, "-m", "nanoinfer.serve", "--model", path,
-                             "--device", "cpu",
-                             "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", "2",
-                             "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-                             "--master-port", str(port), "--headless"], env=env)
+    node = start_node(path, tp, port)
     try:
         llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=2, nnodes=2, node_rank=0,
                   master_addr="127.0.0.1", master_port=port)
@@ -111,20 +131,95 @@ def test_headless_node_exits_when_the_head_dies(three_layer_dir):
 
 
 @pytest.mark.timeout(180)
-def test_requests_fail_when_the_other_node_dies(three_layer_dir):
-    """Never a hang: the head's rank 0 finds the other node's connections closed, and dies."""
+@pytest.mark.parametrize("how", ["killed", "silent"])
+def test_requests_fail_when_the_other_node_is_lost(three_layer_dir, how):
+    """Never a hang: a node whose link closes is lost at once; one that stops answering (every
+    process of it stopped, as a partitioned or hung machine) within NANOINFER_NODE_TIMEOUT (4 s)."""
     llm, node = start_nodes(three_layer_dir, 1)
+    tree = [node, *psutil.Process(node.pid).children(recursive=True)]
     try:
         llm.generate(random_prompts([7]), GREEDY, use_tqdm=False)
-        tree = psutil.Process(node.pid).children(recursive=True)
-        node.kill()
+        for proc in tree:
+            proc.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        why = "Connection reset by peer|closed" if how == "killed" else "sent nothing for 4 s"
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=f"node 1 \\(127.0.0.1\\) was lost: .*({why})"):
+            llm.generate(random_prompts([7]), GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 4 + 10
+    finally:
         for proc in tree:
             proc.kill()
-        with pytest.raises(WorkerDiedError, match="nanoinfer-tp0 .* died"):
-            llm.generate(random_prompts([7]), GREEDY, use_tqdm=False)
+        llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_headless_node_exits_when_the_head_goes_silent(three_layer_dir):
+    """A head that admits the node, then sends nothing (not even a heartbeat)."""
+    port = free_port()
+    node = start_node(three_layer_dir, 1, port, stdout=subprocess.PIPE, text=True)
+    try:
+        links = accept_nodes(Config(three_layer_dir, pipeline_parallel_size=2, nnodes=2,
+                                    master_port=port, device="cpu"))
+        links[0].outbox.put(None)   # its writer stops
+        assert_exits_with_its_processes(node, 1)
+        assert "lost the head (the head sent nothing for 4 s)" in node.stdout.read()
     finally:
         node.kill()
-        llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_head_refuses_wrong_key_stray_clients_and_another_dtype(three_layer_dir, caplog,
+                                                                monkeypatch):
+    """Each is refused and logged; the head goes on waiting and admits the right node."""
+    monkeypatch.setenv("NANOINFER_NODE_TIMEOUT", "2")
+    port = free_port()
+    nodes = {"pipeline_parallel_size": 2, "nnodes": 2, "master_port": port, "device": "cpu"}
+    head = Config(three_layer_dir, **nodes)
+    admitted = []
+    thread = threading.Thread(target=lambda: admitted.extend(accept_nodes(head)), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="nanoinfer"):
+        thread.start()
+        wrong = start_node(three_layer_dir, 1, port, key="another-secret",
+                           stderr=subprocess.PIPE, text=True)
+        assert wrong.wait(60) == 1
+        assert "does not hold NANOINFER_CLUSTER_KEY's secret" in wrong.stderr.read()
+        for garbage in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 4, b""):   # (b"": silent)
+            with socket.create_connection(("127.0.0.1", port + 1)) as stray:
+                stray.sendall(garbage)
+                assert stray.recv(1024)   # the head's challenge; then it hangs up
+                stray.settimeout(10)
+                with contextlib.suppress(ConnectionResetError):   # (it left data unread)
+                    while stray.recv(1024):
+                        pass
+        node = {**nodes, "node_rank": 1, "headless": True}
+        with pytest.raises(ValueError, match="the head refused node 1: it differs from the head "
+                           "in dtype: the head's is torch.float32, this node's torch.bfloat16"):
+            join_head(Config(three_layer_dir, dtype="bfloat16", **node))
+        link, config = join_head(Config(three_layer_dir, **node))
+        thread.join(10)
+    assert len(admitted) == 1 and config.node_rank == 1 and config.max_model_len == head.max_model_len
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 4, refusals
+    assert all("from 127.0.0.1" in r for r in refusals)
+    link.close()
+    admitted[0].close()
+
+
+def test_a_node_started_first_waits_for_its_head_then_gives_up(three_layer_dir):
+    port = free_port()
+    node = start_node(three_layer_dir, 1, port, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                      text=True, env={"NANOINFER_NODE_START_TIMEOUT": "3"})
+    output = node.communicate(timeout=60)[0]
+    assert node.returncode == 1
+    assert f"waiting for the head (node_rank 0) at 127.0.0.1:{port + 1}, up to 3 s" in output
+    assert f"no head at 127.0.0.1:{port + 1} in 3 s" in output
+
+
+def test_nodes_need_the_cluster_key(three_layer_dir, monkeypatch):
+    monkeypatch.delenv("NANOINFER_CLUSTER_KEY")
+    with pytest.raises(ValueError, match="the same secret in the environment variable "
+                       "NANOINFER_CLUSTER_KEY on every node"):
+        LLM(three_layer_dir, pipeline_parallel_size=2, nnodes=2, master_port=free_port())
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

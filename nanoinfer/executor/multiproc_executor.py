@@ -35,13 +35,11 @@ engine's next wait raises `WorkerDiedError` saying which worker died and why. Wo
 Ctrl-C: the engine takes it and shuts them down. Ranks on other nodes: multinode.py.
 """
 import contextlib
-import functools
 import multiprocessing as mp
 import os
 import queue
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -54,7 +52,7 @@ from nanoinfer.config import Config
 from nanoinfer.core.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from nanoinfer.worker.model_runner import ModelRunner
 from nanoinfer.executor.message_queue import MessageQueue
-from nanoinfer.executor.multinode import connect, driver_rank, node_ranks
+from nanoinfer.executor.multinode import Inbox, accept_nodes, driver_rank, node_ranks, read_node
 from nanoinfer.utils import engine_num_threads
 
 
@@ -75,22 +73,28 @@ class MultiprocExecutor:
         ctx = mp.get_context("spawn")
         ranks = node_ranks(config)
         self.queue = MessageQueue(num_readers=len(ranks))   # calls, to every rank of this node
-        self.responses = MessageQueue(num_readers=1)   # the driver's outputs, to this process
+        # the driver's outputs, to this process (from a link's thread if it is on another node)
+        self.responses = MessageQueue(num_readers=1) if driver_rank(config) in ranks else Inbox()
         self.errors = ctx.SimpleQueue()   # a dying worker's (ValueError message or None, traceback)
         self.workers: list[mp.Process] = []
         self.failure: str | None = None   # why a worker died, once one has
         self.setting_error: str | None = None   # the message of a ValueError a worker died of
         self.closed = False
         self.lock = threading.Lock()   # between shutdown() and the monitor thread
+        self.links = []   # to the other nodes (multinode.py)
         init_method = rendezvous(config)
-        writer = driver_rank(config) if config.nnodes == 1 else 0   # (rank 0 relays: multinode.py)
         try:
+            if config.nnodes > 1:   # (before any rank starts: a refused node never joins)
+                self.links = accept_nodes(config)
             for rank in ranks:
                 self.workers.append(start_worker(ctx, config, rank, init_method, self.queue,
-                                                 self.responses if rank == writer else None,
-                                                 self.errors))
+                                                 self.responses if rank == driver_rank(config)
+                                                 else None, self.errors))
             self.responses.as_reader(0)
             threading.Thread(target=self.monitor_workers, daemon=True).start()
+            for link in self.links:
+                threading.Thread(target=read_node, args=(link, self.responses, self.fail),
+                                 daemon=True).start()
             # the driver is ready
             self.num_kvcache_blocks = self.responses.dequeue(self.check_health)
         except BaseException as e:
@@ -102,12 +106,18 @@ class MultiprocExecutor:
     def execute_model(self, sched: SchedulerOutput) -> None:
         """Every rank runs the step (each keeps its executed step for `sample_tokens`)."""
         self.check_health()
-        self.queue.enqueue(("execute_model", (sched,)), self.check_health)
+        self.send(("execute_model", (sched,)), self.check_health)
 
     def sample_tokens(self, executed: None, grammar: GrammarOutput | None = None) -> "FutureOutput":
         self.check_health()
-        self.queue.enqueue(("sample_tokens", (grammar,)), self.check_health)
+        self.send(("sample_tokens", (grammar,)), self.check_health)
         return FutureOutput(self)
+
+    def send(self, call: tuple, check) -> None:
+        """A call to every rank: through the ring to this node's, over its link to another's."""
+        for link in self.links:
+            link.send(call)
+        self.queue.enqueue(call, check)
 
     def check_health(self) -> None:
         if self.failure is not None:
@@ -118,10 +128,15 @@ class MultiprocExecutor:
     def monitor_workers(self) -> None:
         handles = {w.sentinel: w for w in self.workers}
         dead = handles[wait_for_any(list(handles))[0]]
+        dead.join(timeout=1)
+        self.fail(f"tensor-parallel worker {dead.name} (pid {dead.pid}) died with exit code "
+                  f"{dead.exitcode}", hint=" (its output may say why)")
+
+    def fail(self, reason: str, hint: str = "") -> None:
+        """A worker or a node is lost: stop the workers, and note why, with what they reported."""
         with self.lock:
-            if self.closed:   # a worker stopped by shutdown()
+            if self.closed or self.failure is not None:   # (stopped by shutdown(), or failed)
                 return
-            dead.join(timeout=1)
             reports = []
             try:
                 while not self.errors.empty():
@@ -129,9 +144,8 @@ class MultiprocExecutor:
             finally:
                 stop_processes(self.workers, 0)
                 self.setting_error = next((m for m, _ in reports if m is not None), None)
-                detail = "".join(f"\n{r}" for _, r in reports) or " (its output may say why)"
-                self.failure = (f"tensor-parallel worker {dead.name} (pid {dead.pid}) died with "
-                                f"exit code {dead.exitcode}{detail}")
+                detail = "".join(f"\n{r}" for _, r in reports) or hint
+                self.failure = reason + detail
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers and remove the shared memory. Idempotent. `graceful=False` (after an
@@ -152,12 +166,13 @@ class MultiprocExecutor:
                         if time.monotonic() > limit or not all(w.is_alive() for w in self.workers):
                             raise WorkerDiedError("a worker did not take the shutdown message")
                     try:
-                        self.queue.enqueue(("shutdown", ()), check)
+                        self.send(("shutdown", ()), check)
                     except WorkerDiedError:
                         graceful = False
                 stop_processes(self.workers, 5 if graceful else 0)
             finally:
-                for close in (self.queue.close, self.responses.close, self.errors.close):
+                closers = [link.close for link in self.links]
+                for close in (*closers, self.queue.close, self.responses.close, self.errors.close):
                     with contextlib.suppress(OSError):   # (a segment someone else removed)
                         close()
                 self.errors = None   # the last reference: its locks' named semaphores are removed
@@ -187,33 +202,12 @@ def stop_processes(procs: list, timeout: float) -> None:
                 proc.join()
 
 
-def start_worker(ctx, config: Config, rank: int, init_method: str, calls: MessageQueue | None,
+def start_worker(ctx, config: Config, rank: int, init_method: str, calls: MessageQueue,
                  responses: MessageQueue | None, errors) -> mp.Process:
     worker = ctx.Process(target=worker_main, name=f"nanoinfer-tp{rank}", daemon=True,
                          args=(config, rank, init_method, calls, responses, errors))
     worker.start()
     return worker
-
-
-def run_headless(config: Config) -> int:
-    """A node other than the head (multinode.py): start its ranks, and return once they have
-    exited (on the head's "shutdown", or when the head is gone) an exit status, 1 if one failed."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    init_method = rendezvous(config)
-    workers = [start_worker(ctx, config, rank, init_method, None, None, errors)
-               for rank in node_ranks(config)]
-    handles = {w.sentinel: w for w in workers}
-    try:
-        first = handles[wait_for_any(list(handles))[0]]
-        first.join()
-        stop_processes(workers, 5 if first.exitcode == 0 else 0)
-    except KeyboardInterrupt:   # (Ctrl-C or SIGTERM to the node: its ranks stop with it)
-        stop_processes(workers, 0)
-        raise
-    while not errors.empty():
-        print(f"nanoinfer: {errors.get()[1]}", file=sys.stderr, flush=True)
-    return 1 if any(w.exitcode for w in workers) else 0
 
 
 def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue,
@@ -223,15 +217,11 @@ def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    if calls is not None:   # (a rank of another node than the head's reads from the network)
-        calls.as_reader(rank)
+    calls.as_reader(rank - node_ranks(config).start)   # (its node's ring)
     try:
         distributed.init_distributed(rank, config.world_size, init_method,
                                      "nccl" if config.device == "cuda" else "gloo",
                                      config.tensor_parallel_size)
-        if config.nnodes > 1:
-            calls, responses = connect(config, rank, calls, responses,
-                                       functools.partial(report, errors, rank))
         if "OMP_NUM_THREADS" not in os.environ:   # (set by the user, or by a server for its cores)
             torch.set_num_threads(engine_num_threads(config.device, len(node_ranks(config))))
         runner = ModelRunner(config)
