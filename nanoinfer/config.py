@@ -47,7 +47,6 @@ class Config:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None       # None: a free port (one node only)
-    headless: bool = False               # this node runs its ranks only (node_rank >= 1)
     speculative: "SpeculativeConfig | None" = field(init=False, default=None)
     kv_transfer: "KVTransferConfig | None" = field(init=False, default=None)
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -126,17 +125,15 @@ class Config:
         n = self.nnodes
         require(is_int(n, 1) and is_int(self.node_rank, 0, n - 1), f"nnodes must be an integer "
                 f">= 1 and node_rank one in [0, nnodes), got {n!r} and {self.node_rank!r}")
-        require(self.headless == (self.node_rank > 0), "node_rank 0 runs the engine and each "
-                "other node only its ranks: pass headless=True (--headless) exactly when node_rank "
-                f">= 1, got node_rank={self.node_rank}, headless={self.headless}")
         # (whole stages to a node: a tensor-parallel group's all-reduce in every layer needs a
         # node's own links, a stage boundary only one send a step)
         pp = self.pipeline_parallel_size
         require(pp % n == 0, f"pipeline_parallel_size={pp} does not split over nnodes={n}: each "
                 "node holds whole pipeline stages (a tensor-parallel group never spans nodes)")
-        require(is_int(self.master_port, 1, 65535) if n > 1 else self.master_port is None,
-                f"master_port is the head's rendezvous port when nnodes > 1 (one node's ranks meet "
-                f"at a free port of 127.0.0.1), got master_port={self.master_port!r}, nnodes={n}")
+        require(is_int(self.master_port, 1, 65534) if n > 1 else self.master_port is None,
+                f"master_port is the head's rendezvous port when nnodes > 1, its links' the next "
+                f"(one node's ranks meet at a free port of 127.0.0.1), got "
+                f"master_port={self.master_port!r}, nnodes={n}")
 
     @property
     def num_lookahead_tokens(self) -> int:

@@ -33,6 +33,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1 routes")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine-core processes")
+    parser.add_argument("--headless", action="store_true",
+                        help="this node's ranks (--nnodes) or cores only, for another's front end")
+    parser.add_argument("--data-parallel-size-local", type=int, default=None,
+                        help="of them on this node (default: all)")
+    parser.add_argument("--data-parallel-start-rank", type=int, default=0,
+                        help="a headless node's first core")
+    parser.add_argument("--data-parallel-address", default="127.0.0.1",
+                        help="the head's address, where cores on other nodes join it")
+    parser.add_argument("--data-parallel-rpc-port", type=int, default=None,
+                        help="... and its port")
     parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                         help="larger bodies: a 413")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
@@ -48,9 +58,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         else:
             parser.add_argument(flag, type=json.loads if kind is dict else kind, default=f.default)
     args = parser.parse_args(argv)
-    if args.nnodes > 1 and args.data_parallel_size > 1:
-        parser.error("--data-parallel-size with --nnodes > 1 is not supported yet")
+    check_nodes(parser, args)
     return args
+
+
+def check_nodes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Nodes of a model (--nnodes) or of data-parallel cores (--data-parallel-rpc-port)."""
+    size = args.data_parallel_size
+    start = args.data_parallel_start_rank
+    local = size - start if args.data_parallel_size_local is None else args.data_parallel_size_local
+    of_cores = args.headless and args.nnodes == 1
+    if args.nnodes > 1 and size > 1:
+        parser.error("--data-parallel-size with --nnodes > 1 is not supported yet")
+    if not (local >= 1 and start + local <= size and (start == 0 or of_cores)):
+        parser.error(f"--data-parallel-size-local {local} cores from --data-parallel-start-rank "
+                     f"{start} (only with --headless) must be 1 or more within "
+                     f"--data-parallel-size {size}")
+    args.data_parallel_size_local = local
+    if (local < size or of_cores) and args.data_parallel_rpc_port is None:
+        parser.error("cores on other nodes meet the head at --data-parallel-address and "
+                     "--data-parallel-rpc-port, which both sides name")
 
 
 def main(argv=None) -> None:
@@ -74,17 +101,23 @@ def main(argv=None) -> None:
             name = args.served_model_name or "SmolLM2-135M-Instruct"
         options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
                    if f.init and f.name != "model" and hasattr(args, f.name)}
-        if args.headless:   # a node of a model over several nodes: its ranks only, no front end
-            from nanoinfer.executor.multinode import run_headless
+        address = (args.data_parallel_address, args.data_parallel_rpc_port)
+        if args.headless:   # a node of a model's ranks or of data-parallel cores: no front end
+            from nanoinfer.executor import multinode, node_link
             config = Config(args.model, **options)
+            start = args.data_parallel_start_rank
+            cores = range(start, start + args.data_parallel_size_local)
             try:
-                sys.exit(run_headless(config))
+                sys.exit(multinode.run_headless(config) if args.nnodes > 1
+                         else node_link.run_headless_cores(config, address, cores))
             except KeyboardInterrupt:   # (its ranks stop with it)
                 print("nanoinfer: node stopped", flush=True)
                 sys.exit(130)
             except Exception as e:   # (no head, a wrong key, refused: the message says which)
                 sys.exit(f"nanoinfer: node {config.node_rank}: {e}")
-        engine = AsyncLLM(args.model, data_parallel_size=args.data_parallel_size, **options)
+        engine = AsyncLLM(args.model, data_parallel_size=args.data_parallel_size,
+                          data_parallel_size_local=args.data_parallel_size_local,
+                          data_parallel_address=address, **options)
     except KeyboardInterrupt:
         print("nanoinfer: stopped while starting", flush=True)
         return

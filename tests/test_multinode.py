@@ -12,9 +12,11 @@ of waiting forever, and a server's /health turns 503; the head refuses a wrong k
 and a node that runs another dtype, and goes on waiting; a node started before its head waits for
 it, saying for what, and gives up after the start timeout.
 """
+import concurrent.futures
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,13 +24,15 @@ import sys
 import threading
 import time
 
+import httpx
 import psutil
 import pytest
 
 from conftest import hf_greedy, random_prompts, save_model
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
-from nanoinfer.executor.multinode import accept_nodes, driver_rank, join_head, node_ranks
+from nanoinfer.executor.multinode import accept_nodes, driver_rank, node_ranks
+from nanoinfer.executor.node_link import join
 from nanoinfer.executor.multiproc_executor import WorkerDiedError
 from nanoinfer.serve import parse_args
 
@@ -131,40 +135,21 @@ def test_headless_node_exits_when_the_head_dies(three_layer_dir):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("how", ["killed", "silent"])
-def test_requests_fail_when_the_other_node_is_lost(three_layer_dir, how):
-    """Never a hang: a node whose link closes is lost at once; one that stops answering (every
-    process of it stopped, as a partitioned or hung machine) within NANOINFER_NODE_TIMEOUT (4 s)."""
+def test_requests_fail_when_the_other_node_dies(three_layer_dir):
+    """Never a hang: the head finds the node's link closed, stops its own ranks, and the engine's
+    next wait raises. (A node cut off from the network: test_partitioned_node.)"""
     llm, node = start_nodes(three_layer_dir, 1)
     tree = [node, *psutil.Process(node.pid).children(recursive=True)]
     try:
         llm.generate(random_prompts([7]), GREEDY, use_tqdm=False)
         for proc in tree:
-            proc.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-        why = "Connection reset by peer|closed" if how == "killed" else "sent nothing for 4 s"
-        start = time.monotonic()
-        with pytest.raises(WorkerDiedError, match=f"node 1 \\(127.0.0.1\\) was lost: .*({why})"):
+            proc.kill()
+        with pytest.raises(WorkerDiedError, match="node 1 was lost: .*(reset|closed)"):
             llm.generate(random_prompts([7]), GREEDY, use_tqdm=False)
-        assert time.monotonic() - start < 4 + 10
     finally:
         for proc in tree:
             proc.kill()
         llm.shutdown()
-
-
-@pytest.mark.timeout(120)
-def test_headless_node_exits_when_the_head_goes_silent(three_layer_dir):
-    """A head that admits the node, then sends nothing (not even a heartbeat)."""
-    port = free_port()
-    node = start_node(three_layer_dir, 1, port, stdout=subprocess.PIPE, text=True)
-    try:
-        links = accept_nodes(Config(three_layer_dir, pipeline_parallel_size=2, nnodes=2,
-                                    master_port=port, device="cpu"))
-        links[0].outbox.put(None)   # its writer stops
-        assert_exits_with_its_processes(node, 1)
-        assert "lost the head (the head sent nothing for 4 s)" in node.stdout.read()
-    finally:
-        node.kill()
 
 
 @pytest.mark.timeout(120)
@@ -191,15 +176,16 @@ def test_head_refuses_wrong_key_stray_clients_and_another_dtype(three_layer_dir,
                 with contextlib.suppress(ConnectionResetError):   # (it left data unread)
                     while stray.recv(1024):
                         pass
-        node = {**nodes, "node_rank": 1, "headless": True}
+        node = {**nodes, "node_rank": 1}
         with pytest.raises(ValueError, match="the head refused node 1: it differs from the head "
                            "in dtype: the head's is torch.float32, this node's torch.bfloat16"):
-            join_head(Config(three_layer_dir, dtype="bfloat16", **node))
-        link, config = join_head(Config(three_layer_dir, **node))
+            join(Config(three_layer_dir, dtype="bfloat16", **node), ("127.0.0.1", port + 1), 1,
+                 "node")
+        link, config = join(Config(three_layer_dir, **node), ("127.0.0.1", port + 1), 1, "node")
         thread.join(10)
     assert len(admitted) == 1 and config.node_rank == 1 and config.max_model_len == head.max_model_len
     refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-    assert len(refusals) == 4, refusals
+    assert len(refusals) == 4 and "dtype: the head's is torch.float32" in refusals[-1], refusals
     assert all("from 127.0.0.1" in r for r in refusals)
     link.close()
     admitted[0].close()
@@ -218,7 +204,7 @@ def test_a_node_started_first_waits_for_its_head_then_gives_up(three_layer_dir):
 def test_nodes_need_the_cluster_key(three_layer_dir, monkeypatch):
     monkeypatch.delenv("NANOINFER_CLUSTER_KEY")
     with pytest.raises(ValueError, match="the same secret in the environment variable "
-                       "NANOINFER_CLUSTER_KEY on every node"):
+                       "NANOINFER_CLUSTER_KEY, on every node"):
         LLM(three_layer_dir, pipeline_parallel_size=2, nnodes=2, master_port=free_port())
 
 
@@ -235,7 +221,7 @@ def test_each_tensor_parallel_group_inside_one_node(llama_dir, tp, pp, nnodes):
             Config(llama_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **nodes)
         return
     configs = [Config(llama_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, node_rank=n,
-                      headless=n > 0, **nodes) for n in range(nnodes)]
+                      **nodes) for n in range(nnodes)]
     ranks = [node_ranks(c) for c in configs]
     assert [r for node in ranks for r in node] == list(range(tp * pp))
     for first in range(0, tp * pp, tp):
@@ -244,7 +230,7 @@ def test_each_tensor_parallel_group_inside_one_node(llama_dir, tp, pp, nnodes):
 
 
 def test_bad_node_settings(llama_dir):
-    with pytest.raises(ValueError, match="rendezvous port when nnodes > 1 .* got master_port=None"):
+    with pytest.raises(ValueError, match="rendezvous port when nnodes > 1, .* got master_port=None"):
         Config(llama_dir, pipeline_parallel_size=2, nnodes=2)
     with pytest.raises(ValueError, match="got master_port=70000, nnodes=2"):
         Config(llama_dir, pipeline_parallel_size=2, nnodes=2, master_port=70000)
@@ -256,10 +242,161 @@ def test_bad_node_settings(llama_dir):
             Config(llama_dir, tensor_parallel_size=2, nnodes=nnodes)
     with pytest.raises(ValueError, match="node_rank one in \\[0, nnodes\\), got 2 and 2"):
         Config(llama_dir, pipeline_parallel_size=2, nnodes=2, node_rank=2, master_port=29500)
-    with pytest.raises(ValueError, match="headless=True .* exactly when node_rank >= 1"):
-        Config(llama_dir, pipeline_parallel_size=2, nnodes=2, node_rank=1, master_port=29500)
-    with pytest.raises(ValueError, match="a headless node runs no engine"):
-        LLM(llama_dir, pipeline_parallel_size=2, nnodes=2, node_rank=1, headless=True,
-            master_port=29500)
-    with pytest.raises(SystemExit):   # (argparse's usage error)
-        parse_args(["--nnodes", "2", "--data-parallel-size", "2"])
+    with pytest.raises(ValueError, match="node_rank 1 runs no engine, only its ranks"):
+        LLM(llama_dir, pipeline_parallel_size=2, nnodes=2, node_rank=1, master_port=29500)
+    for args in (["--nnodes", "2", "--data-parallel-size", "2"],
+                 ["--data-parallel-size", "2", "--data-parallel-size-local", "1"],   # (no port)
+                 ["--data-parallel-size", "2", "--data-parallel-start-rank", "1",
+                  "--data-parallel-rpc-port", "9000"],   # (a start rank: headless only)
+                 ["--data-parallel-size", "2", "--data-parallel-size-local", "3"],
+                 ["--headless", "--data-parallel-size", "2", "--data-parallel-start-rank", "1"]):
+        with pytest.raises(SystemExit):   # (argparse's usage error)
+            parse_args(args)
+    args = parse_args(["--headless", "--data-parallel-size", "3", "--data-parallel-start-rank",
+                       "1", "--data-parallel-rpc-port", "9000"])
+    assert args.data_parallel_size_local == 2   # (the rest)
+
+
+def serve(path: str, *args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "nanoinfer.serve", "--model", path,
+                             "--device", "cpu", "--max-model-len", "512", *args],
+                            env=dict(os.environ, PYTHONPATH=os.getcwd()), **popen)
+
+
+def complete(url: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    return httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+
+
+@pytest.mark.timeout(300)
+def test_data_parallel_cores_on_another_node(three_layer_dir):
+    """Two cores on the head and one on a headless node: the load balancer spreads requests over
+    all three, each answer is the one process's; the remote core lost (its node killed) fails
+    its own request only, the others finish, /health stays 200 and new requests are served."""
+    port = free_port()
+    rpc = str(free_port())
+    head = serve(three_layer_dir, "--port", str(port), "--served-model-name", "m",
+                 "--data-parallel-size", "3", "--data-parallel-size-local", "2",
+                 "--data-parallel-rpc-port", rpc)
+    node = serve(three_layer_dir, "--headless", "--data-parallel-size", "3",
+                 "--data-parallel-start-rank", "2", "--data-parallel-size-local", "1",
+                 "--data-parallel-rpc-port", rpc)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, head)
+        prompts = [f"{i} {w}" for i, w in enumerate(["one", "two", "three"] * 2)]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda p: complete(url, p, 8), prompts))
+        per_core = served_per_core(url)
+        assert sorted(per_core) == ["0", "1", "2"] and all(per_core.values()), per_core
+        one = LLM(three_layer_dir, max_model_len=512)
+        expected = one.generate(prompts, SamplingParams(temperature=0, max_tokens=8,
+                                                        ignore_eos=True), use_tqdm=False)
+        one.shutdown()
+        assert [a["choices"][0]["text"] for a in answers] == [o.outputs[0].text for o in expected]
+        started = threading.Barrier(4)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:   # one on each core
+            running = [pool.submit(stream, url, p, started) for p in prompts[:3]]
+            started.wait(60)
+            for proc in [node, *psutil.Process(node.pid).children(recursive=True)]:
+                proc.kill()
+            results = [r.result() for r in running]
+        failed = [r for r in results if '"error"' in r]
+        assert len(failed) == 1 and "engine core 2 died" in failed[0], results
+        assert all(r.endswith("data: [DONE]") for r in results if r not in failed), results
+        assert httpx.get(url + "/health").status_code == 200
+        assert "error" not in complete(url, prompts[0], 4)
+    finally:
+        node.kill()
+        head.send_signal(signal.SIGINT)
+        head.wait(30)
+
+
+def stream(url: str, prompt: str, started: threading.Barrier) -> str:
+    """A long streamed completion's events; `started` is waited on once the first has come."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line:
+                events.append(line)
+                if len(events) == 1:
+                    started.wait(60)
+    return "\n".join(events)
+
+
+def wait_for_health(url: str, proc: subprocess.Popen) -> None:
+    for _ in range(1200):
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        assert proc.poll() is None, "the server exited"
+        time.sleep(0.1)
+    raise TimeoutError("the server did not start")
+
+
+def served_per_core(url: str) -> dict[str, float]:
+    """{core rank: requests it finished}, from vLLM's metric of the name."""
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            core = line.split('engine="')[1].split('"')[0]
+            out[core] = out.get(core, 0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.fixture
+def namespace():
+    """A network namespace joined to this one by a veth pair (10.213.0.1 here, 10.213.0.2 there),
+    where this test may make one (root, iproute2), else a skip that says why."""
+    name = f"nanoinfer{os.getpid()}"
+    here = f"ni{os.getpid() % 100000}h"
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
+        pytest.skip("network namespaces need root, iproute2 and unshare")
+    if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode:
+        pytest.skip("this machine does not let the test make a network namespace")
+    try:
+        for command in (f"ip link add {here} type veth peer name {here[:-1]}n netns {name}",
+                        f"ip addr add 10.213.0.1/24 dev {here}", f"ip link set {here} up",
+                        f"ip -n {name} addr add 10.213.0.2/24 dev {here[:-1]}n",
+                        f"ip -n {name} link set {here[:-1]}n up", f"ip -n {name} link set lo up"):
+            subprocess.run(command.split(), check=True)
+        yield name, here
+    finally:
+        subprocess.run(["ip", "netns", "del", name])
+
+
+@pytest.mark.timeout(240)
+def test_partitioned_node_in_a_namespace_of_its_own(three_layer_dir, namespace, monkeypatch):
+    """The second node shares neither a loopback nor /dev/shm with the head (a network and a mount
+    namespace of its own): greedy tokens are transformers'. Then the wire is cut (the veth pair
+    down, as a partition does: nothing closes): the head's requests fail within about the node
+    timeout, and the node exits by itself."""
+    name, here = namespace
+    port = free_port()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", here)   # (the head's ranks: the veth end here)
+    node_command = " ".join([sys.executable, "-m", "nanoinfer.serve", "--model", three_layer_dir,
+                             "--device", "cpu", "--pipeline-parallel-size", "2", "--nnodes", "2",
+                             "--node-rank", "1", "--master-addr", "10.213.0.1", "--master-port",
+                             str(port), "--headless"])
+    node = subprocess.Popen(["ip", "netns", "exec", name, "unshare", "--mount", "sh", "-c",
+                             f"mount -t tmpfs tmpfs /dev/shm && exec {node_command}"],
+                            env=dict(os.environ, PYTHONPATH=os.getcwd(),
+                                     GLOO_SOCKET_IFNAME=f"{here[:-1]}n"))
+    try:
+        llm = LLM(three_layer_dir, pipeline_parallel_size=2, nnodes=2, node_rank=0,
+                  master_addr="10.213.0.1", master_port=port)
+        prompts = random_prompts([5, 23], seed=2)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == [hf_greedy(three_layer_dir, p, 12) for p in prompts]
+        subprocess.run(["ip", "link", "set", here, "down"], check=True)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="node 1 was lost: .*timed out"):
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 4 + 10
+        assert_exits_with_its_processes(node, 1)
+        llm.shutdown()
+    finally:
+        node.kill()

@@ -86,7 +86,9 @@ def is_heavy(prompt: PromptType, params) -> bool:
 
 class AsyncLLM(FrontEnd):
 
-    def __init__(self, model: str, data_parallel_size: int = 1, **kwargs):
+    def __init__(self, model: str, data_parallel_size: int = 1,
+                 data_parallel_size_local: int | None = None,
+                 data_parallel_address: tuple[str, int] | None = None, **kwargs):
         # The tokenizer, the input processor and the output processor.
         super().__init__(Config(model, **kwargs))
         self.streams: dict[str, RequestStream] = {}
@@ -98,7 +100,8 @@ class AsyncLLM(FrontEnd):
         # a server's metrics: stat_logger(core rank, IterationStats), after each step's outputs,
         # and for each aborted request (finished alone)
         self.stat_logger: Callable | None = None
-        self.client = EngineCoreClient(self.config, self.on_message, data_parallel_size)
+        self.client = EngineCoreClient(self.config, self.on_message, data_parallel_size,
+                                       data_parallel_size_local, data_parallel_address)
         weakref.finalize(self, self.client.shutdown)
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None,

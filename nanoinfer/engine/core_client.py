@@ -49,6 +49,7 @@ from nanoinfer.engine.core import EngineCore
 from nanoinfer.core.messages import EngineCoreRequest, SchedulerStats
 from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.executor.multinode import node_ranks
+from nanoinfer.executor.node_link import accept
 from nanoinfer.executor.multiproc_executor import stop_processes
 from nanoinfer.utils import engine_num_threads
 
@@ -116,10 +117,11 @@ def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
     return [",".join(gpus[r * n:(r + 1) * n]) for r in range(data_parallel_size)]
 
 
-def start_cores(config: Config, data_parallel_size: int) -> tuple[list, list]:
+def start_cores(config: Config, data_parallel_size: int, links: list | None = None) -> tuple:
     """Start the core processes, each on its own GPUs; their connections and processes. Each core,
     and each of its workers, gets its share of the CPU threads through OMP_NUM_THREADS, which torch
-    reads as it starts, unless the user set it (utils.engine_num_threads says how much)."""
+    reads as it starts, unless the user set it (utils.engine_num_threads says how much). `links`:
+    the cores' own connections to a head on another node (node_link.py), in place of pipes."""
     ctx = mp.get_context("spawn")
     conns = []
     procs = []
@@ -132,7 +134,7 @@ def start_cores(config: Config, data_parallel_size: int) -> tuple[list, list]:
         for rank in range(data_parallel_size):
             if gpus is not None:   # (read as the child starts)
                 os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank]
-            parent, child = ctx.Pipe()
+            parent, child = ctx.Pipe() if links is None else (None, links[rank])
             procs.append(ctx.Process(target=run_engine_core, args=(config, child),
                                      name=f"nanoinfer-core-{rank}"))
             procs[-1].start()
@@ -152,15 +154,24 @@ class EngineCoreClient:
     is called from the client's reader thread for every message a core sends, and with
     ("dead", reason) when a core dies."""
 
-    def __init__(self, config: Config, on_message: Callable, data_parallel_size: int = 1):
+    def __init__(self, config: Config, on_message: Callable, data_parallel_size: int = 1,
+                 data_parallel_size_local: int | None = None,
+                 data_parallel_address: tuple[str, int] | None = None):
         check_int("data_parallel_size", data_parallel_size, 1)
+        local = data_parallel_size_local or data_parallel_size
         p2p = config.kv_transfer and config.kv_transfer.kv_connector == "P2pConnector"
         if data_parallel_size > 1 and p2p:
             raise ValueError("P2pConnector pairs one engine core with one peer over one port: it "
                              "takes data_parallel_size=1 (SharedStorageConnector serves several)")
         # A weak reference: the reader thread must not keep the engine alive.
         self.on_message = weakref.WeakMethod(on_message)
-        self.conns, self.procs = start_cores(config, data_parallel_size)
+        self.conns, self.procs = start_cores(config, local)
+        try:   # the other cores on other nodes (node_link.py)
+            self.conns += accept(config, data_parallel_address, "data-parallel core",
+                                 range(local, data_parallel_size)) if local < data_parallel_size else []
+        except BaseException:
+            stop_processes(self.procs, 0)
+            raise
         self.alive = [True] * data_parallel_size
         self.closing = False
         self.reader = None
@@ -196,8 +207,7 @@ class EngineCoreClient:
             conn = self.conns[rank]
             message = conn.recv() if conn.poll(600) else ("dead", "it did not start in 10 minutes")
         except (EOFError, OSError):
-            self.procs[rank].join(5)
-            message = ("dead", f"it exited (exit code {self.procs[rank].exitcode})")
+            message = ("dead", self.ended(rank))
         if message[0] != "ready":
             raise RuntimeError(f"engine core {rank} failed to start:\n{message[1]}")
         return message[1]
@@ -270,11 +280,16 @@ class EngineCoreClient:
                     self.deliver(rank, conn.recv())
                     while source is not conn and self.alive[rank]:
                         self.deliver(rank, conn.recv())
-                except (EOFError, OSError):
+                except (EOFError, OSError) as e:
                     if self.alive[rank]:
-                        self.procs[rank].join(1)
-                        code = self.procs[rank].exitcode
-                        self.deliver(rank, ("dead", f"its process ended (exit code {code})"))
+                        self.deliver(rank, ("dead", self.ended(rank, e)))
+
+    def ended(self, rank: int, error: BaseException | None = None) -> str:
+        """How core `rank`, whose connection closed, ended."""
+        if rank >= len(self.procs):   # (on another node)
+            return f"its node's link was lost: {str(error) or 'it closed'}"
+        self.procs[rank].join(1)
+        return f"its process ended (exit code {self.procs[rank].exitcode})"
 
     def deliver(self, rank: int, message: tuple) -> None:
         if message[0] == "outputs":

@@ -35,6 +35,7 @@ engine's next wait raises `WorkerDiedError` saying which worker died and why. Wo
 Ctrl-C: the engine takes it and shuts them down. Ranks on other nodes: multinode.py.
 """
 import contextlib
+import copy
 import multiprocessing as mp
 import os
 import queue
@@ -52,8 +53,9 @@ from nanoinfer.config import Config
 from nanoinfer.core.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from nanoinfer.worker.model_runner import ModelRunner
 from nanoinfer.executor.message_queue import MessageQueue
-from nanoinfer.executor.multinode import Inbox, accept_nodes, driver_rank, node_ranks, read_node
-from nanoinfer.utils import engine_num_threads
+from nanoinfer.executor.multinode import accept_nodes, driver_rank, node_ranks, read_node
+from nanoinfer.executor.node_link import hang_up
+from nanoinfer.utils import engine_num_threads, require
 
 
 class WorkerDiedError(RuntimeError):
@@ -67,14 +69,12 @@ class MultiprocExecutor:
             raise RuntimeError("a tensor-parallel worker, importing the main script, was asked to "
                                "start an LLM itself: create it under `if __name__ == '__main__':` "
                                "in your script")
-        if config.headless:
-            raise ValueError("a headless node runs no engine: start it with `python -m "
-                             "nanoinfer.serve ... --headless`")
+        require(config.node_rank == 0, f"node_rank {config.node_rank} runs no engine, only its "
+                "ranks: start it with `python -m nanoinfer.serve ... --headless`")
         ctx = mp.get_context("spawn")
         ranks = node_ranks(config)
         self.queue = MessageQueue(num_readers=len(ranks))   # calls, to every rank of this node
-        # the driver's outputs, to this process (from a link's thread if it is on another node)
-        self.responses = MessageQueue(num_readers=1) if driver_rank(config) in ranks else Inbox()
+        self.responses = MessageQueue(num_readers=1)   # the driver's outputs, to this process
         self.errors = ctx.SimpleQueue()   # a dying worker's (ValueError message or None, traceback)
         self.workers: list[mp.Process] = []
         self.failure: str | None = None   # why a worker died, once one has
@@ -92,9 +92,9 @@ class MultiprocExecutor:
                                                  else None, self.errors))
             self.responses.as_reader(0)
             threading.Thread(target=self.monitor_workers, daemon=True).start()
-            for link in self.links:
-                threading.Thread(target=read_node, args=(link, self.responses, self.fail),
-                                 daemon=True).start()
+            for node, link in enumerate(self.links, start=1):   # (a writer of the ring each)
+                threading.Thread(target=read_node, args=(link, node, copy.copy(self.responses),
+                                                         self.fail), daemon=True).start()
             # the driver is ready
             self.num_kvcache_blocks = self.responses.dequeue(self.check_health)
         except BaseException as e:
@@ -171,8 +171,9 @@ class MultiprocExecutor:
                         graceful = False
                 stop_processes(self.workers, 5 if graceful else 0)
             finally:
-                closers = [link.close for link in self.links]
-                for close in (*closers, self.queue.close, self.responses.close, self.errors.close):
+                for link in self.links:
+                    hang_up(link)
+                for close in (self.queue.close, self.responses.close, self.errors.close):
                     with contextlib.suppress(OSError):   # (a segment someone else removed)
                         close()
                 self.errors = None   # the last reference: its locks' named semaphores are removed
