@@ -65,16 +65,16 @@ class Config:
         if self.max_model_len is None:
             self.max_model_len = model_len
         self.check_ranges()
-        if self.max_model_len > model_len and os.environ.get(ALLOW_LONG) != "1":
-            raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's "
-                             f"context (max_position_embeddings={model_len}): outputs past it "
-                             f"are likely wrong. Set {ALLOW_LONG}=1 to allow it anyway")
+        require(self.max_model_len <= model_len or os.environ.get(ALLOW_LONG) == "1",
+                f"max_model_len={self.max_model_len} is longer than the model's context "
+                f"(max_position_embeddings={model_len}): outputs past it are likely wrong. Set "
+                f"{ALLOW_LONG}=1 to allow it anyway")
         self.check_nodes()
         if self.world_size > 1:
             self.check_model_parallel()
         if self.speculative_config is not None:
-            if self.pipeline_parallel_size > 1:
-                raise ValueError("speculative decoding does not work with pipeline parallelism yet")
+            require(self.pipeline_parallel_size == 1,
+                    "speculative decoding does not work with pipeline parallelism yet")
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
             # the next step's drafts need this step's tokens on the host
             self.async_scheduling = False
@@ -266,10 +266,10 @@ def download(model: str, load_format: str) -> str:
 
 
 def load_hf_config(model: str) -> PretrainedConfig:
-    if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
-        raise ValueError(f"model folder {model!r} has no config.json")
-    if os.path.isfile(model):
-        raise ValueError(f"model {model!r} is a file; pass the folder that holds config.json")
+    require(not os.path.isdir(model) or os.path.isfile(os.path.join(model, "config.json")),
+            f"model folder {model!r} has no config.json")
+    require(not os.path.isfile(model),
+            f"model {model!r} is a file; pass the folder that holds config.json")
     try:
         hf_config = AutoConfig.from_pretrained(model)
     except Exception as e:   # transformers raises many kinds for a bad config.json

@@ -49,9 +49,9 @@ from nanoinfer.engine.core import EngineCore
 from nanoinfer.core.messages import EngineCoreRequest, SchedulerStats
 from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.executor.multinode import node_ranks
-from nanoinfer.executor.node_link import accept
+from nanoinfer.executor.node_link import accept_cores
 from nanoinfer.executor.multiproc_executor import stop_processes
-from nanoinfer.utils import engine_num_threads
+from nanoinfer.utils import engine_num_threads, require
 
 logger = logging.getLogger("nanoinfer")
 
@@ -111,9 +111,8 @@ def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     n = ranks_per_core
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    if len(gpus) < data_parallel_size * n:
-        raise ValueError(f"data_parallel_size={data_parallel_size} x {n} ranks per core needs "
-                         f"{data_parallel_size * n} GPUs, {len(gpus)} are visible")
+    require(len(gpus) >= data_parallel_size * n, f"data_parallel_size={data_parallel_size} x {n} "
+            f"ranks per core needs {data_parallel_size * n} GPUs, {len(gpus)} are visible")
     return [",".join(gpus[r * n:(r + 1) * n]) for r in range(data_parallel_size)]
 
 
@@ -160,18 +159,15 @@ class EngineCoreClient:
         check_int("data_parallel_size", data_parallel_size, 1)
         local = data_parallel_size_local or data_parallel_size
         p2p = config.kv_transfer and config.kv_transfer.kv_connector == "P2pConnector"
-        if data_parallel_size > 1 and p2p:
-            raise ValueError("P2pConnector pairs one engine core with one peer over one port: it "
-                             "takes data_parallel_size=1 (SharedStorageConnector serves several)")
+        require(data_parallel_size == 1 or not p2p, "P2pConnector pairs one engine core with one "
+                "peer over one port: it takes data_parallel_size=1 (SharedStorageConnector serves "
+                "several)")
         # A weak reference: the reader thread must not keep the engine alive.
         self.on_message = weakref.WeakMethod(on_message)
         self.conns, self.procs = start_cores(config, local)
-        try:   # the other cores on other nodes (node_link.py)
-            self.conns += accept(config, data_parallel_address, "data-parallel core",
-                                 range(local, data_parallel_size)) if local < data_parallel_size else []
-        except BaseException:
-            stop_processes(self.procs, 0)
-            raise
+        if local < data_parallel_size:   # the others, on other nodes
+            self.conns += accept_cores(config, data_parallel_address,
+                                       range(local, data_parallel_size), self.procs)
         self.alive = [True] * data_parallel_size
         self.closing = False
         self.reader = None

@@ -190,6 +190,17 @@ def join(config: Config, address: tuple[str, int], rank: int, what: str) -> tupl
 
 # Data-parallel engine cores on another node.
 
+def accept_cores(config: Config, address: tuple[str, int], ranks: range, local: list) -> list:
+    """The head's front end: the links of its data-parallel cores `ranks` on other nodes (should
+    they not come, the processes of its `local` cores are stopped)."""
+    from nanoinfer.executor.multiproc_executor import stop_processes
+    try:
+        return accept(config, address, "data-parallel core", ranks)
+    except BaseException:
+        stop_processes(local, 0)
+        raise
+
+
 def run_headless_cores(config: Config, address: tuple[str, int], ranks: range) -> int:
     """A node of data-parallel cores `ranks` for the head's front end: each core joins the head,
     then runs as a local one does, over its link. Returns once they have all exited."""

@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from nanoinfer.distributed import get_tp_group, get_tp_size
+from nanoinfer.utils import require
 from nanoinfer.kernels.gemv import linear
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
-    if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by "
-                         f"tensor_parallel_size={denominator}")
+    require(numerator % denominator == 0, f"{what} ({numerator}) is not divisible by "
+            f"tensor_parallel_size={denominator}")
     return numerator // denominator
 
 
@@ -55,8 +55,8 @@ def copy_shard(dst: torch.Tensor, loaded_weight, dim: int = 0, start: int = 0,
     expected[dim] = expected[dim] if full_size is None else full_size
     shape = list(loaded_weight.shape if isinstance(loaded_weight, torch.Tensor)
                  else loaded_weight.get_shape())
-    if shape != expected:
-        raise ValueError(f"checkpoint tensor has shape {tuple(shape)}, expected {tuple(expected)}")
+    require(shape == expected,
+            f"checkpoint tensor has shape {tuple(shape)}, expected {tuple(expected)}")
     index = (slice(None),) * dim + (slice(start, start + dst.shape[dim]),)
     dst.copy_(loaded_weight[index])
 

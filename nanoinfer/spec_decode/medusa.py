@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from nanoinfer.models.loader import load_model
+from nanoinfer.utils import require
 
 
 class ResidualBlock(nn.Module):
@@ -45,13 +46,11 @@ class Medusa(nn.Module):
         config = read_config(path)
         num_heads = config.get("num_heads", config.get("medusa_num_heads"))
         num_layers = config.get("num_hidden_layers", config.get("medusa_num_layers", 1))
-        if (config.get("hidden_size"), config.get("vocab_size")) != (hidden_size, vocab_size):
-            raise ValueError(f"the Medusa heads in {path!r} are for hidden_size="
-                             f"{config.get('hidden_size')}, vocab_size={config.get('vocab_size')}; "
-                             f"the model has {hidden_size}, {vocab_size}")
-        if not isinstance(num_heads, int) or num_heads < k:
-            raise ValueError(f"num_speculative_tokens={k} needs {k} Medusa heads; {path!r} has "
-                             f"{num_heads}")
+        require((config.get("hidden_size"), config.get("vocab_size")) == (hidden_size, vocab_size),
+                f"the Medusa heads in {path!r} are for hidden_size={config.get('hidden_size')}, "
+                f"vocab_size={config.get('vocab_size')}; the model has {hidden_size}, {vocab_size}")
+        require(isinstance(num_heads, int) and num_heads >= k,
+                f"num_speculative_tokens={k} needs {k} Medusa heads; {path!r} has {num_heads}")
         bias = config.get("medusa_fc_bias", False)
         self.blocks = nn.ModuleList(ResidualBlock(hidden_size, num_layers, bias) for _ in range(k))
         self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False)

@@ -12,7 +12,7 @@ import torch
 from nanoinfer.attention import AttentionMetadata, set_forward_context
 from nanoinfer.config import Config
 from nanoinfer.layers.sampler import SamplingMetadata
-from nanoinfer.utils import cdiv
+from nanoinfer.utils import cdiv, require
 from nanoinfer.worker.cuda_graph import max_graph_tokens
 
 
@@ -25,8 +25,7 @@ def check_kv_cache_holds_max_model_len(config: Config, kv_cache_bytes: float | N
         if kv_cache_bytes is None:
             kv_cache_bytes = config.cpu_kvcache_space_gb * 2**30
         num_blocks = int(kv_cache_bytes) // (config.block_size * bytes_per_token)
-    if num_blocks * config.block_size < config.max_model_len:
-        raise ValueError(
+    require(num_blocks * config.block_size >= config.max_model_len,
             f"the KV cache holds {max(num_blocks, 0) * config.block_size} tokens, fewer than "
             f"max_model_len={config.max_model_len}: lower max_model_len or give the cache more "
             "memory")
