@@ -67,10 +67,12 @@ MECHANISMS = {
          "worker/model_runner.py:ModelRunner.intermediate",
          "distributed.py:GroupCoordinator.send_next",
          "distributed.py:GroupCoordinator.recv_prev"]),
-    "13. Multi-node (ranks on several nodes, the step message over gloo)": (
-        ["executor/multinode.py"],
+    "13. Multi-node (stages and data-parallel cores on several nodes, over authenticated links)": (
+        ["executor/multinode.py", "executor/node_link.py"],
         ["config.py:Config.check_nodes",
-         "executor/multiproc_executor.py:run_headless"]),
+         "executor/multiproc_executor.py:MultiprocExecutor.send",
+         "engine/core_client.py:EngineCoreClient.ended",
+         "serve.py:check_nodes"]),
     "14. KV connectors and disaggregated serving": (
         ["kv_transfer/", "entrypoints/disagg_proxy.py"],
         ["core/scheduler_hooks.py:SchedulerHooks.external_blocks",
