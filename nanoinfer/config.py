@@ -127,13 +127,12 @@ class Config:
                 f">= 1 and node_rank one in [0, nnodes), got {n!r} and {self.node_rank!r}")
         # (whole stages to a node: a tensor-parallel group's all-reduce in every layer needs a
         # node's own links, a stage boundary only one send a step)
-        pp = self.pipeline_parallel_size
-        require(pp % n == 0, f"pipeline_parallel_size={pp} does not split over nnodes={n}: each "
-                "node holds whole pipeline stages (a tensor-parallel group never spans nodes)")
+        require(self.pipeline_parallel_size % n == 0, f"pipeline_parallel_size="
+                f"{self.pipeline_parallel_size} does not split over nnodes={n}: each node holds "
+                "whole pipeline stages (a tensor-parallel group never spans nodes)")
         require(is_int(self.master_port, 1, 65534) if n > 1 else self.master_port is None,
-                f"master_port is the head's rendezvous port when nnodes > 1, its links' the next "
-                f"(one node's ranks meet at a free port of 127.0.0.1), got "
-                f"master_port={self.master_port!r}, nnodes={n}")
+                f"master_port: the head's rendezvous port (its links' the next) when nnodes > 1, "
+                f"else None, got master_port={self.master_port!r}, nnodes={n}")
 
     @property
     def num_lookahead_tokens(self) -> int:

@@ -67,17 +67,34 @@ def check_nodes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     size = args.data_parallel_size
     start = args.data_parallel_start_rank
     local = size - start if args.data_parallel_size_local is None else args.data_parallel_size_local
-    of_cores = args.headless and args.nnodes == 1
-    if args.nnodes > 1 and size > 1:
-        parser.error("--data-parallel-size with --nnodes > 1 is not supported yet")
-    if not (local >= 1 and start + local <= size and (start == 0 or of_cores)):
-        parser.error(f"--data-parallel-size-local {local} cores from --data-parallel-start-rank "
-                     f"{start} (only with --headless) must be 1 or more within "
-                     f"--data-parallel-size {size}")
     args.data_parallel_size_local = local
-    if (local < size or of_cores) and args.data_parallel_rpc_port is None:
-        parser.error("cores on other nodes meet the head at --data-parallel-address and "
-                     "--data-parallel-rpc-port, which both sides name")
+    of_model = args.nnodes > 1 and args.node_rank >= 1
+    of_cores = args.nnodes == 1 and start >= 1 and args.data_parallel_rpc_port is not None
+    if args.headless != (of_model or of_cores):
+        parser.error("--headless is exactly a node other than the head: of a model (--nnodes N "
+                     "--node-rank 1 to N-1) or of cores (--data-parallel-start-rank 1 or more, "
+                     "--data-parallel-rpc-port)")
+    if not 1 <= local <= size - start:
+        parser.error(f"--data-parallel-size-local {local} from --data-parallel-start-rank {start}: "
+                     f"1 or more cores within --data-parallel-size {size}")
+    if local < size and args.data_parallel_rpc_port is None:
+        parser.error("cores on other nodes need --data-parallel-rpc-port (--data-parallel-address)")
+
+
+def run_node(args: argparse.Namespace, config: Config, address: tuple) -> int:
+    """A headless node's exit status: it runs a model's ranks (--nnodes) or data-parallel cores."""
+    from nanoinfer.executor import multinode, node_link
+    cores = range(args.data_parallel_start_rank,
+                  args.data_parallel_start_rank + args.data_parallel_size_local)
+    try:
+        return (multinode.run_headless(config) if args.nnodes > 1
+                else node_link.run_headless_cores(config, address, cores))
+    except KeyboardInterrupt:   # (its ranks stop with it)
+        print("nanoinfer: node stopped", flush=True)
+        return 130
+    except Exception as e:   # (no head, a wrong key, refused: the message says which)
+        print(f"nanoinfer: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 def main(argv=None) -> None:
@@ -103,18 +120,7 @@ def main(argv=None) -> None:
                    if f.init and f.name != "model" and hasattr(args, f.name)}
         address = (args.data_parallel_address, args.data_parallel_rpc_port)
         if args.headless:   # a node of a model's ranks or of data-parallel cores: no front end
-            from nanoinfer.executor import multinode, node_link
-            config = Config(args.model, **options)
-            start = args.data_parallel_start_rank
-            cores = range(start, start + args.data_parallel_size_local)
-            try:
-                sys.exit(multinode.run_headless(config) if args.nnodes > 1
-                         else node_link.run_headless_cores(config, address, cores))
-            except KeyboardInterrupt:   # (its ranks stop with it)
-                print("nanoinfer: node stopped", flush=True)
-                sys.exit(130)
-            except Exception as e:   # (no head, a wrong key, refused: the message says which)
-                sys.exit(f"nanoinfer: node {config.node_rank}: {e}")
+            sys.exit(run_node(args, Config(args.model, **options), address))
         engine = AsyncLLM(args.model, data_parallel_size=args.data_parallel_size,
                           data_parallel_size_local=args.data_parallel_size_local,
                           data_parallel_address=address, **options)

@@ -31,8 +31,9 @@ import pytest
 from conftest import hf_greedy, random_prompts, save_model
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
-from nanoinfer.executor.multinode import accept_nodes, driver_rank, node_ranks
-from nanoinfer.executor.node_link import join
+from nanoinfer.engine.async_llm import AsyncLLM
+from nanoinfer.executor.multinode import driver_rank, node_ranks
+from nanoinfer.executor.node_link import accept, join
 from nanoinfer.executor.multiproc_executor import WorkerDiedError
 from nanoinfer.serve import parse_args
 
@@ -161,7 +162,9 @@ def test_head_refuses_wrong_key_stray_clients_and_another_dtype(three_layer_dir,
     nodes = {"pipeline_parallel_size": 2, "nnodes": 2, "master_port": port, "device": "cpu"}
     head = Config(three_layer_dir, **nodes)
     admitted = []
-    thread = threading.Thread(target=lambda: admitted.extend(accept_nodes(head)), daemon=True)
+    address = ("127.0.0.1", port + 1)
+    thread = threading.Thread(daemon=True, target=lambda: admitted.extend(
+        accept(head, address, "node", range(1, 2))))
     with caplog.at_level(logging.WARNING, logger="nanoinfer"):
         thread.start()
         wrong = start_node(three_layer_dir, 1, port, key="another-secret",
@@ -183,7 +186,8 @@ def test_head_refuses_wrong_key_stray_clients_and_another_dtype(three_layer_dir,
                  "node")
         link, config = join(Config(three_layer_dir, **node), ("127.0.0.1", port + 1), 1, "node")
         thread.join(10)
-    assert len(admitted) == 1 and config.node_rank == 1 and config.max_model_len == head.max_model_len
+    assert len(admitted) == 1 and config.node_rank == 1
+    assert config.max_model_len == head.max_model_len   # (the head's configuration)
     refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(refusals) == 4 and "dtype: the head's is torch.float32" in refusals[-1], refusals
     assert all("from 127.0.0.1" in r for r in refusals)
@@ -197,14 +201,13 @@ def test_a_node_started_first_waits_for_its_head_then_gives_up(three_layer_dir):
                       text=True, env={"NANOINFER_NODE_START_TIMEOUT": "3"})
     output = node.communicate(timeout=60)[0]
     assert node.returncode == 1
-    assert f"waiting for the head (node_rank 0) at 127.0.0.1:{port + 1}, up to 3 s" in output
+    assert f"waiting for the head at ('127.0.0.1', {port + 1}), up to 3 s" in output
     assert f"no head at 127.0.0.1:{port + 1} in 3 s" in output
 
 
 def test_nodes_need_the_cluster_key(three_layer_dir, monkeypatch):
     monkeypatch.delenv("NANOINFER_CLUSTER_KEY")
-    with pytest.raises(ValueError, match="the same secret in the environment variable "
-                       "NANOINFER_CLUSTER_KEY, on every node"):
+    with pytest.raises(ValueError, match="the same secret in NANOINFER_CLUSTER_KEY, on every node"):
         LLM(three_layer_dir, pipeline_parallel_size=2, nnodes=2, master_port=free_port())
 
 
@@ -230,7 +233,7 @@ def test_each_tensor_parallel_group_inside_one_node(llama_dir, tp, pp, nnodes):
 
 
 def test_bad_node_settings(llama_dir):
-    with pytest.raises(ValueError, match="rendezvous port when nnodes > 1, .* got master_port=None"):
+    with pytest.raises(ValueError, match="when nnodes > 1, else None, got master_port=None"):
         Config(llama_dir, pipeline_parallel_size=2, nnodes=2)
     with pytest.raises(ValueError, match="got master_port=70000, nnodes=2"):
         Config(llama_dir, pipeline_parallel_size=2, nnodes=2, master_port=70000)
@@ -244,12 +247,17 @@ def test_bad_node_settings(llama_dir):
         Config(llama_dir, pipeline_parallel_size=2, nnodes=2, node_rank=2, master_port=29500)
     with pytest.raises(ValueError, match="node_rank 1 runs no engine, only its ranks"):
         LLM(llama_dir, pipeline_parallel_size=2, nnodes=2, node_rank=1, master_port=29500)
-    for args in (["--nnodes", "2", "--data-parallel-size", "2"],
-                 ["--data-parallel-size", "2", "--data-parallel-size-local", "1"],   # (no port)
+    with pytest.raises(ValueError, match="data parallelism with nnodes=2 > 1 is not supported"):
+        AsyncLLM(llama_dir, data_parallel_size=2, pipeline_parallel_size=2, nnodes=2,
+                 master_port=29500)
+    for args in (["--data-parallel-size", "2", "--data-parallel-size-local", "1"],   # (no port)
                  ["--data-parallel-size", "2", "--data-parallel-start-rank", "1",
                   "--data-parallel-rpc-port", "9000"],   # (a start rank: headless only)
                  ["--data-parallel-size", "2", "--data-parallel-size-local", "3"],
-                 ["--headless", "--data-parallel-size", "2", "--data-parallel-start-rank", "1"]):
+                 ["--headless", "--data-parallel-size", "2", "--data-parallel-start-rank", "1"],
+                 ["--headless", "--nnodes", "2", "--pipeline-parallel-size", "2"],   # (rank 0)
+                 ["--node-rank", "1", "--nnodes", "2", "--pipeline-parallel-size", "2"],
+                 ["--headless", "--data-parallel-size", "2", "--data-parallel-rpc-port", "9000"]):
         with pytest.raises(SystemExit):   # (argparse's usage error)
             parse_args(args)
     args = parse_args(["--headless", "--data-parallel-size", "3", "--data-parallel-start-rank",

@@ -11,19 +11,17 @@ schedules and runs the model, so none of that front-end work ever holds up the G
         output thread  <----  ("outputs", [EngineCoreOutput], SchedulerStats), every step
     OutputProcessor (detokenize, stop strings) -> each request's queue
 
-The channel is the standard library's `multiprocessing.connection` over a socket pair: it sends
-pickled Python objects, needs no extra package, and `wait()` watches every core's socket (and
-process) at once, which data parallelism needs. A step's message is a few KB. (vLLM uses ZeroMQ
-and msgpack, for lower serialisation cost and to reach other machines.) The core never waits
-while it has work: between steps it takes the messages that have come; idle, it blocks on them.
+The channel is the standard library's `multiprocessing.connection` over a socket pair (a core on
+another node: over its link, executor/node_link.py): pickled Python objects, no extra package, and
+`wait()` watches every core's socket and process at once. A step's message is a few KB. (vLLM
+uses ZeroMQ and msgpack, for lower serialisation cost.) The core never waits while it has work:
+between steps it takes the messages that have come; idle, it blocks on them. Each core's messages
+go through a queue of its own and a writer thread: a core that stops reading (a step that hangs)
+holds up neither the event loop nor the other cores.
 
-Each core's messages go through a queue of its own and a writer thread: a core that stops reading
-(a step that hangs) holds up neither the event loop nor the other cores.
-
-Failures: an exception in a core (at start-up or in a step) reaches the client as ("dead",
-traceback) and the process exits; a core killed outright is seen by its process handle (the
-messages it left are read first). Either way the requests it held get an error, never silence.
-The core exits too when the front end's process goes away (its socket closes).
+Failures: a core's exception reaches the client as ("dead", traceback), and the core exits; a core
+killed outright is seen by its process handle or closed socket (what it left is read first).
+Either way its requests get an error, never silence. A core exits when the front end is gone.
 
 Data parallelism: N cores, each with its own GPUs (or the CPU). A new request goes to the core
 with the lowest 4 × waiting + running (as each last reported, plus what was sent to it since):
@@ -49,8 +47,8 @@ from nanoinfer.engine.core import EngineCore
 from nanoinfer.core.messages import EngineCoreRequest, SchedulerStats
 from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.executor.multinode import node_ranks
-from nanoinfer.executor.node_link import accept_cores
-from nanoinfer.executor.multiproc_executor import stop_processes
+from nanoinfer.executor.node_link import accept
+from nanoinfer.executor.multiproc_executor import exit_with_parent, stop_processes
 from nanoinfer.utils import engine_num_threads, require
 
 logger = logging.getLogger("nanoinfer")
@@ -58,10 +56,10 @@ logger = logging.getLogger("nanoinfer")
 
 def run_engine_core(config: Config, conn) -> None:
     """The core process: step while there is work, take messages between steps."""
-    # Ctrl-C and SIGTERM (also sent to the whole process group, as a service manager does) are the
-    # front end's to handle: it stops the cores once its requests have had their time.
+    # Ctrl-C and SIGTERM (sent to the whole group by a service manager) are the front end's.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
     core = None
 
     def handle(kind, payload) -> bool:
@@ -98,16 +96,14 @@ def run_engine_core(config: Config, conn) -> None:
     finally:
         if core is not None:
             core.shutdown()
-        # Nothing is left to tear down. The interpreter's own teardown, a garbage collection over
-        # every object of the engine, would hold up the server's stop by seconds on a busy machine.
+        # No interpreter teardown (a collection over every object: seconds, on a busy machine).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
 
 
 def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
-    """Each core's CUDA_VISIBLE_DEVICES: core r takes the r-th `ranks_per_core` (tensor x pipeline
-    parallel) GPUs of those this process sees."""
+    """Each core's CUDA_VISIBLE_DEVICES: core r takes the r-th `ranks_per_core` visible GPUs."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     n = ranks_per_core
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
@@ -117,10 +113,9 @@ def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
 
 
 def start_cores(config: Config, data_parallel_size: int, links: list | None = None) -> tuple:
-    """Start the core processes, each on its own GPUs; their connections and processes. Each core,
-    and each of its workers, gets its share of the CPU threads through OMP_NUM_THREADS, which torch
-    reads as it starts, unless the user set it (utils.engine_num_threads says how much). `links`:
-    the cores' own connections to a head on another node (node_link.py), in place of pipes."""
+    """Start the core processes, each on its own GPUs; their connections and processes. Each core
+    and worker gets its share of the CPU threads through OMP_NUM_THREADS, unless the user set it
+    (utils.engine_num_threads). `links`: the cores' own links to a head on another node."""
     ctx = mp.get_context("spawn")
     conns = []
     procs = []
@@ -149,30 +144,29 @@ def start_cores(config: Config, data_parallel_size: int, links: list | None = No
 
 
 class EngineCoreClient:
-    """Starts `data_parallel_size` core processes and talks to them. `on_message(rank, message)`
-    is called from the client's reader thread for every message a core sends, and with
-    ("dead", reason) when a core dies."""
+    """Starts the core processes and talks to them. `on_message(rank, message)` is called from the
+    reader thread for every message a core sends, and with ("dead", reason) when a core dies."""
 
     def __init__(self, config: Config, on_message: Callable, data_parallel_size: int = 1,
                  data_parallel_size_local: int | None = None,
                  data_parallel_address: tuple[str, int] | None = None):
         check_int("data_parallel_size", data_parallel_size, 1)
         local = data_parallel_size_local or data_parallel_size
+        require(1 <= local <= data_parallel_size and min(data_parallel_size, config.nnodes) == 1,
+                f"data_parallel_size_local={local} must be in 1..{data_parallel_size}, and data "
+                f"parallelism with nnodes={config.nnodes} > 1 is not supported yet")
         p2p = config.kv_transfer and config.kv_transfer.kv_connector == "P2pConnector"
         require(data_parallel_size == 1 or not p2p, "P2pConnector pairs one engine core with one "
-                "peer over one port: it takes data_parallel_size=1 (SharedStorageConnector serves "
-                "several)")
-        # A weak reference: the reader thread must not keep the engine alive.
-        self.on_message = weakref.WeakMethod(on_message)
+                "peer: it takes data_parallel_size=1 (SharedStorageConnector serves several)")
+        self.on_message = weakref.WeakMethod(on_message)   # (the reader must not keep it alive)
+        rest = range(local, data_parallel_size)   # other nodes' cores, first (node_link.py)
+        links = accept(config, data_parallel_address, "data-parallel core", rest) if rest else []
         self.conns, self.procs = start_cores(config, local)
-        if local < data_parallel_size:   # the others, on other nodes
-            self.conns += accept_cores(config, data_parallel_address,
-                                       range(local, data_parallel_size), self.procs)
+        self.conns += links
         self.alive = [True] * data_parallel_size
         self.closing = False
         self.reader = None
-        # Each core's messages wait in an outbox of its own for its writer thread.
-        self.outboxes = [queue.SimpleQueue() for _ in self.conns]
+        self.outboxes = [queue.SimpleQueue() for _ in self.conns]   # (each core's writer's)
         for rank in range(data_parallel_size):
             threading.Thread(target=self.write, args=(rank,), daemon=True,
                              name=f"nanoinfer-core-writer-{rank}").start()
@@ -182,23 +176,20 @@ class EngineCoreClient:
             for rank in range(data_parallel_size):
                 self.num_gpu_blocks.append(self.wait_until_ready(rank))
         except BaseException:
-            # A core still loading its model reads no message: it is stopped at once (its workers
-            # follow it, and the resource tracker removes their shared memory).
+            # A core still loading reads no message: stopped at once (its workers follow it).
             for proc in self.procs[len(self.num_gpu_blocks):]:
                 proc.kill()
             self.shutdown()
             raise
         self.stats = [SchedulerStats() for _ in self.conns]
-        # Requests sent to each core (its stats count those it received), and request_id -> the
-        # core that has it.
+        # Requests sent to each core (its stats count those received); request_id -> its core.
         self.num_sent = [0] * len(self.conns)
         self.owner: dict[str, int] = {}
         self.reader = threading.Thread(target=self.read, name="nanoinfer-core-reader", daemon=True)
         self.reader.start()
 
     def wait_until_ready(self, rank: int) -> int:
-        """Until core `rank` has started: its number of KV-cache blocks; a RuntimeError saying why
-        if it failed to."""
+        """Core `rank`'s number of KV-cache blocks once started; else a RuntimeError saying why."""
         try:
             conn = self.conns[rank]
             message = conn.recv() if conn.poll(600) else ("dead", "it did not start in 10 minutes")
@@ -233,8 +224,8 @@ class EngineCoreClient:
         self.owner.pop(request_id, None)
 
     def send(self, rank: int, message) -> None:
-        """Pickled here, in the caller's thread: its errors are the caller's, and a later change to
-        the objects in the message does not reach the core."""
+        """Pickled here, in the caller's thread: its errors are the caller's, and a later change
+        does not reach the core."""
         self.outboxes[rank].put(bytes(ForkingPickler.dumps(message)))
 
     def write(self, rank: int) -> None:
@@ -242,8 +233,7 @@ class EngineCoreClient:
         while (message := self.outboxes[rank].get()) is not None:
             try:
                 self.conns[rank].send_bytes(message)
-            # It died: the reader reports that.
-            except OSError:
+            except OSError:   # (it died: the reader reports that)
                 return
 
     def read(self) -> None:
@@ -270,8 +260,7 @@ class EngineCoreClient:
                     return
                 if not self.alive[rank]:
                     continue
-                # A message; or, if its process ended, all it left, up to the end of the
-                # connection: then, if it gave no word of why, say how it ended.
+                # A message; or, if it ended, all it left, then (if it gave no word) how it ended.
                 try:
                     self.deliver(rank, conn.recv())
                     while source is not conn and self.alive[rank]:
@@ -283,7 +272,7 @@ class EngineCoreClient:
     def ended(self, rank: int, error: BaseException | None = None) -> str:
         """How core `rank`, whose connection closed, ended."""
         if rank >= len(self.procs):   # (on another node)
-            return f"its node's link was lost: {str(error) or 'it closed'}"
+            return f"its node's link was lost: {str(error or '') or 'it closed'}"
         self.procs[rank].join(1)
         return f"its process ended (exit code {self.procs[rank].exitcode})"
 

@@ -9,7 +9,7 @@ node runs `python -m nanoinfer.serve --model M ... --nnodes N --node-rank n --ma
 
     engine ──shm ring──> the head's ranks
       └──── link (TCP) ──> node n's process ──shm ring──> node n's ranks
-    engine <──── link <─── the driver's outputs (last stage, on the last node) <──shm ring──┘
+    engine <──── link <─── the driver's outputs (last stage, last node) <──shm ring──┘
 
 What crosses the network, and on what:
 - The calls (the step message, a few KB) and the driver's outputs (a step's tokens) go over a
@@ -24,32 +24,26 @@ What crosses the network, and on what:
 The link's trust (a shared key) and faults: node_link.py. A lost node (its link closed or timed
 out) is a lost rank: the head stops its own ranks and the engine's next wait raises, so every
 request in flight fails with an error (on a server, /health turns 503); a node that loses the
-head, or one of its own ranks, stops its ranks and exits (with the rank's error sent to the head).
+head, or one of its own ranks, stops its ranks and exits.
 With one node none of this runs: not a line of it is on that path.
 """
+import contextlib
 import multiprocessing as mp
+import sys
 import threading
 from multiprocessing.connection import Connection, wait
 
 from nanoinfer.config import Config
 from nanoinfer.executor.message_queue import MessageQueue
-from nanoinfer.executor.node_link import accept, hang_up, join
-
-
-def accept_nodes(config: Config) -> list[Connection]:
-    address = (config.master_addr, config.master_port + 1)
-    return accept(config, address, "node", range(1, config.nnodes))
+from nanoinfer.executor.node_link import hang_up, join
 
 
 def read_node(conn: Connection, node: int, responses: MessageQueue, fail) -> None:
-    """The head's thread for a node: its outputs into the engine's ring; `fail(why)` when the node
-    is lost or reports a rank's death."""
+    """The head's thread for a node: what it sends (the driver's outputs, if it is on that node)
+    into the engine's ring; `fail(why)` once the node is lost."""
     try:
         while True:
-            kind, payload = conn.recv()
-            if kind != "outputs":
-                raise RuntimeError(payload)
-            responses.enqueue(payload, check=lambda: None)
+            responses.enqueue(conn.recv(), check=lambda: None)
     except Exception as e:
         fail(f"node {node} was lost: {str(e) or 'it closed the link'}")
 
@@ -57,68 +51,56 @@ def read_node(conn: Connection, node: int, responses: MessageQueue, fail) -> Non
 def run_headless(config: Config) -> int:
     """A node other than the head: join it, start this node's ranks, pass them the head's calls,
     and return an exit status: 0 after the head's "shutdown", 1 when the head or a rank is lost."""
-    from nanoinfer.executor.multiproc_executor import rendezvous, start_worker, stop_processes
-    address = (config.master_addr, config.master_port + 1)
-    conn, config = join(config, address, config.node_rank, "node")
+    from nanoinfer.executor.multiproc_executor import start_worker, stop_processes
+    conn, config = join(config, (config.master_addr, config.master_port + 1), config.node_rank,
+                        "node")
     ranks = node_ranks(config)
     calls = MessageQueue(num_readers=len(ranks))
-    has_driver = driver_rank(config) in ranks
-    responses = MessageQueue(num_readers=1) if has_driver else None
+    responses = MessageQueue(num_readers=1)   # (written if the driver is on this node)
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     workers = []
-    lock = threading.Lock()   # (two threads send)
     try:
         for rank in ranks:
-            workers.append(start_worker(ctx, config, rank, rendezvous(config), calls, responses,
-                                        errors))
-        if has_driver:
-            responses.as_reader(0)
-            threading.Thread(target=send_outputs, args=(responses, conn, lock),
-                             daemon=True).start()
-        why = relay_calls(conn, calls, workers, errors)
-        if why is not None:
-            with lock:
-                conn.send(("error", why))
-        return 0 if why is None else 1
+            workers.append(start_worker(ctx, config, rank, f"tcp://{config.master_addr}:"
+                                        f"{config.master_port}", calls,
+                                        responses if rank == driver_rank(config) else None, errors))
+        responses.as_reader(0)
+        threading.Thread(target=send_outputs, args=(responses, conn), daemon=True).start()
+        return relay_calls(conn, calls, workers, errors)
     except (EOFError, OSError) as e:
-        print(f"nanoinfer: lost the head ({str(e) or 'it closed the link'}): stopping this node's ranks",
-              flush=True)
+        print(f"nanoinfer: lost the head ({str(e) or 'it closed the link'}): stopping this "
+              "node's ranks", flush=True)
         return 1
     finally:
         stop_processes(workers, 0)
         hang_up(conn)
-        for ring in (calls, responses):
-            if ring is not None:
-                ring.close()
+        calls.close()
+        responses.close()
 
 
-def relay_calls(conn: Connection, calls: MessageQueue, workers: list, errors) -> str | None:
-    """The head's calls, into this node's ring, until "shutdown" (None) or a rank's death (why)."""
+def relay_calls(conn: Connection, calls: MessageQueue, workers: list, errors) -> int:
+    """The head's calls, into this node's ring, until "shutdown" (0) or a rank's death (1: its
+    error is printed here; the head finds the link closed)."""
     def check():
         if not all(w.is_alive() for w in workers):
             raise ChildProcessError
-    try:
+    with contextlib.suppress(ChildProcessError):
         while conn in wait([conn, *[w.sentinel for w in workers]]):
             call = conn.recv()
             calls.enqueue(call, check)
             if call[0] == "shutdown":
                 for worker in workers:
                     worker.join(5)
-                return None
-    except ChildProcessError:
-        pass
-    reports = []
+                return 0
     while not errors.empty():
-        reports.append(errors.get()[1])
-    return "".join(reports) or "a rank died (its output may say why)"
+        print(f"nanoinfer: {errors.get()[1]}", file=sys.stderr, flush=True)
+    return 1
 
 
-def send_outputs(responses: MessageQueue, conn: Connection, lock: threading.Lock) -> None:
+def send_outputs(responses: MessageQueue, conn: Connection) -> None:
     while True:
-        output = responses.dequeue(check=lambda: None)
-        with lock:
-            conn.send(("outputs", output))
+        conn.send(responses.dequeue(check=lambda: None))
 
 
 def node_ranks(config: Config) -> range:

@@ -53,8 +53,8 @@ from nanoinfer.config import Config
 from nanoinfer.core.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from nanoinfer.worker.model_runner import ModelRunner
 from nanoinfer.executor.message_queue import MessageQueue
-from nanoinfer.executor.multinode import accept_nodes, driver_rank, node_ranks, read_node
-from nanoinfer.executor.node_link import hang_up
+from nanoinfer.executor.multinode import driver_rank, node_ranks, read_node
+from nanoinfer.executor.node_link import accept, hang_up
 from nanoinfer.utils import engine_num_threads, require
 
 
@@ -71,6 +71,9 @@ class MultiprocExecutor:
                                "in your script")
         require(config.node_rank == 0, f"node_rank {config.node_rank} runs no engine, only its "
                 "ranks: start it with `python -m nanoinfer.serve ... --headless`")
+        # The other nodes' links first (multinode.py): a refused node never meets a rank.
+        self.links = (accept(config, (config.master_addr, config.master_port + 1), "node",
+                             range(1, config.nnodes)) if config.nnodes > 1 else [])
         ctx = mp.get_context("spawn")
         ranks = node_ranks(config)
         self.queue = MessageQueue(num_readers=len(ranks))   # calls, to every rank of this node
@@ -81,11 +84,9 @@ class MultiprocExecutor:
         self.setting_error: str | None = None   # the message of a ValueError a worker died of
         self.closed = False
         self.lock = threading.Lock()   # between shutdown() and the monitor thread
-        self.links = []   # to the other nodes (multinode.py)
-        init_method = rendezvous(config)
+        # torch.distributed's rendezvous: the head's TCPStore (one node's: at a free port)
+        init_method = f"tcp://{config.master_addr}:{config.master_port or free_port()}"
         try:
-            if config.nnodes > 1:   # (before any rank starts: a refused node never joins)
-                self.links = accept_nodes(config)
             for rank in ranks:
                 self.workers.append(start_worker(ctx, config, rank, init_method, self.queue,
                                                  self.responses if rank == driver_rank(config)
@@ -115,8 +116,12 @@ class MultiprocExecutor:
 
     def send(self, call: tuple, check) -> None:
         """A call to every rank: through the ring to this node's, over its link to another's."""
-        for link in self.links:
-            link.send(call)
+        for node, link in enumerate(self.links, start=1):
+            try:
+                link.send(call)
+            except OSError as e:
+                self.fail(f"node {node} was lost: {e}")
+                self.check_health()
         self.queue.enqueue(call, check)
 
     def check_health(self) -> None:
@@ -167,7 +172,7 @@ class MultiprocExecutor:
                             raise WorkerDiedError("a worker did not take the shutdown message")
                     try:
                         self.send(("shutdown", ()), check)
-                    except WorkerDiedError:
+                    except (WorkerDiedError, OSError):
                         graceful = False
                 stop_processes(self.workers, 5 if graceful else 0)
             finally:
@@ -276,13 +281,6 @@ def exit_with_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     os._exit(1)   # the engine's process is gone: nobody will send another step
-
-
-def rendezvous(config: Config) -> str:
-    """torch.distributed's init method: the head's TCPStore (one node's: at a free port)."""
-    if config.nnodes == 1:
-        return f"tcp://127.0.0.1:{free_port()}"
-    return f"tcp://{config.master_addr}:{config.master_port}"
 
 
 def free_port() -> int:

@@ -24,7 +24,6 @@ NANOINFER_NODE_START_TIMEOUT seconds (600 by default), and says what it waits fo
 """
 import contextlib
 import dataclasses
-import hashlib
 import hmac
 import logging
 import os
@@ -32,6 +31,7 @@ import pathlib
 import secrets
 import socket
 import time
+from hashlib import sha256
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
 
@@ -51,8 +51,7 @@ def start_timeout() -> float:
 
 def cluster_key() -> bytes:
     key = os.environ.get("NANOINFER_CLUSTER_KEY", "")
-    require(key != "", "nodes need the same secret in the environment variable "
-            "NANOINFER_CLUSTER_KEY, on every node")
+    require(key != "", "nodes need the same secret in NANOINFER_CLUSTER_KEY, on every node")
     return key.encode()
 
 
@@ -60,13 +59,14 @@ def handshake(sock: socket.socket, role: bytes) -> Connection:
     """Prove the key to the peer and check its proof (`role` is b"head" or b"node": a proof is
     never valid the other way round); the link's connection."""
     key = cluster_key()
+    deadline = time.monotonic() + node_timeout()   # (for the whole of it: no slow drip)
     sock.settimeout(node_timeout())
     challenge = secrets.token_bytes(32)
     sock.sendall(challenge)
-    sock.sendall(hmac.digest(key, role + recv_exactly(sock, 32), "sha256"))
+    sock.sendall(hmac.digest(key, role + recv_exactly(sock, 32, deadline), "sha256"))
     other = b"node" if role == b"head" else b"head"
-    if not hmac.compare_digest(recv_exactly(sock, 32), hmac.digest(key, other + challenge,
-                                                                  "sha256")):
+    if not hmac.compare_digest(recv_exactly(sock, 32, deadline),
+                               hmac.digest(key, other + challenge, "sha256")):
         raise AuthenticationError("the peer does not hold NANOINFER_CLUSTER_KEY's secret")
     sock.settimeout(None)
     # The kernel ends the link when the peer's machine is gone or cut off: probes once it has
@@ -87,9 +87,10 @@ def hang_up(conn: Connection) -> None:
     conn.close()
 
 
-def recv_exactly(sock: socket.socket, n: int) -> bytes:
+def recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
     data = b""
     while len(data) < n:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
         if not (chunk := sock.recv(n - len(data))):
             raise ConnectionError("the peer closed the connection")
         data += chunk
@@ -100,15 +101,11 @@ def fingerprint(config: Config) -> dict:
     """What every node must run alike. The code: a hash of nanoinfer's sources."""
     sources = sorted(pathlib.Path(__file__).parents[1].rglob("*.py"))
     model = pathlib.Path(config.model, "config.json").read_bytes()
-    return {"model": f"{config.hf_config.architectures[0]} {digest(model)}",
+    return {"model": f"{config.hf_config.architectures[0]} {sha256(model).hexdigest()[:12]}",
             "dtype": str(config.torch_dtype),
-            "layout": f"tensor_parallel_size={config.tensor_parallel_size} pipeline_parallel_size="
-                      f"{config.pipeline_parallel_size} nnodes={config.nnodes}",
-            "code version": digest(b"".join(p.read_bytes() for p in sources))}
-
-
-def digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:12]
+            "(tensor, pipeline, nodes)": (config.tensor_parallel_size,
+                                          config.pipeline_parallel_size, config.nnodes),
+            "code version": sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]}
 
 
 def accept(config: Config, address: tuple[str, int], what: str, ranks: range) -> list:
@@ -118,7 +115,7 @@ def accept(config: Config, address: tuple[str, int], what: str, ranks: range) ->
     mine = fingerprint(config)
     joined: dict[int, Connection] = {}
     deadline = time.monotonic() + start_timeout()
-    with socket.create_server(address) as server:
+    with socket.create_server(address) as server, contextlib.ExitStack() as unless_all_join:
         logger.warning("waiting for %ss %s at %s:%d", what, list(ranks), *address)
         while len(joined) < len(ranks):
             server.settimeout(max(deadline - time.monotonic(), 0.01))
@@ -126,28 +123,24 @@ def accept(config: Config, address: tuple[str, int], what: str, ranks: range) ->
                 sock, peer = server.accept()
             except TimeoutError:
                 raise RuntimeError(f"{what}s {sorted(set(ranks) - set(joined))} did not join in "
-                                   f"{start_timeout():g} s: start each with `python -m "
-                                   "nanoinfer.serve ... --headless`") from None
+                                   f"{start_timeout():g} s (`serve ... --headless`)") from None
             try:
                 rank, conn = admit(sock, config, mine, ranks, joined)
-                joined[rank] = conn
+                joined[rank] = unless_all_join.enter_context(conn)   # (closed on an error)
             except Exception as e:   # (a wrong key, a stray client, a silent one, another model)
                 sock.close()
                 logger.warning("refused a connection from %s:%d: %s", *peer[:2], e)
+        unless_all_join.pop_all()
     return [joined[r] for r in ranks]
 
 
 def admit(sock: socket.socket, config: Config, mine: dict, ranks: range,
           joined: dict) -> tuple[int, Connection]:
     """A connection, authenticated, then checked: a refused peer hears why."""
-    conn = handshake(sock, b"head")
-    try:
-        rank, theirs = conn.recv() if conn.poll(node_timeout()) else (None, {})
-        refusal = refuse(mine, rank, theirs, ranks, joined)
-        conn.send(refusal or config)
-    except BaseException:
-        conn.close()
-        raise
+    conn = handshake(sock, b"head")   # (on an error below, the caller's drop of it closes it)
+    rank, theirs = conn.recv() if conn.poll(node_timeout()) else (None, {})
+    refusal = refuse(mine, rank, theirs, ranks, joined)
+    conn.send(refusal or config)
     if refusal is not None:
         conn.close()
         raise ValueError(refusal)
@@ -168,19 +161,17 @@ def join(config: Config, address: tuple[str, int], rank: int, what: str) -> tupl
     the connection, and the head's configuration with this node's own model path and rank."""
     cluster_key()   # (set, before any wait)
     deadline = time.monotonic() + start_timeout()
-    print(f"nanoinfer: {what} {rank} waiting for the head (node_rank 0) at {address[0]}:"
-          f"{address[1]}, up to {start_timeout():g} s", flush=True)
+    print(f"nanoinfer: {what} {rank} waiting for the head at {address}, up to "
+          f"{start_timeout():g} s", flush=True)
     while True:
-        try:
-            sock = socket.create_connection(address, timeout=node_timeout())
+        try:   # (again, until the deadline, also when the handshake times out)
+            conn = handshake(socket.create_connection(address, timeout=node_timeout()), b"node")
             break
         except OSError as e:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no head at {address[0]}:{address[1]} in {start_timeout():g} "
-                                   f"s ({e}): start the head with the same address and port"
-                                   ) from None
+                                   f"s ({e}): is it started, with this address and port?") from None
             time.sleep(1)
-    conn = handshake(sock, b"node")
     conn.send((rank, fingerprint(config)))
     reply = conn.recv() if conn.poll(node_timeout()) else "no answer"
     require(not isinstance(reply, str), f"the head refused {what} {rank}: {reply}")
@@ -190,33 +181,16 @@ def join(config: Config, address: tuple[str, int], rank: int, what: str) -> tupl
 
 # Data-parallel engine cores on another node.
 
-def accept_cores(config: Config, address: tuple[str, int], ranks: range, local: list) -> list:
-    """The head's front end: the links of its data-parallel cores `ranks` on other nodes (should
-    they not come, the processes of its `local` cores are stopped)."""
-    from nanoinfer.executor.multiproc_executor import stop_processes
-    try:
-        return accept(config, address, "data-parallel core", ranks)
-    except BaseException:
-        stop_processes(local, 0)
-        raise
-
-
 def run_headless_cores(config: Config, address: tuple[str, int], ranks: range) -> int:
     """A node of data-parallel cores `ranks` for the head's front end: each core joins the head,
     then runs as a local one does, over its link. Returns once they have all exited."""
     from nanoinfer.engine.core_client import start_cores
     from nanoinfer.executor.multiproc_executor import stop_processes
-    links = []
-    procs = []
+    joined = [join(config, address, rank, "data-parallel core") for rank in ranks]
+    procs = start_cores(joined[0][1], len(ranks), [conn for conn, _ in joined])[1]
     try:
-        for rank in ranks:
-            conn, head_config = join(config, address, rank, "data-parallel core")
-            links.append(conn)
-        procs = start_cores(head_config, len(ranks), links)[1]
         for proc in procs:
             proc.join()
-        return max(proc.exitcode for proc in procs)
     finally:
         stop_processes(procs, 0)
-        for conn in links:
-            conn.close()
+    return int(any(proc.exitcode for proc in procs))
