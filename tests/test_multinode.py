@@ -1,16 +1,19 @@
-"""Two nodes on one machine: the head (`LLM(..., nnodes=2, node_rank=0)`) in this process, and a
-second node started as `python -m nanoinfer.serve ... --node-rank 1 --headless`, a process tree of
-its own that knows of the head only its address, port and key, over gloo on 127.0.0.1.
+"""Two nodes on one machine: the head (`LLM(..., nnodes=2, node_rank=0)` or a server) and a second
+node started as `python -m nanoinfer.serve ... --node-rank 1 --headless`, a process tree of its own
+that knows of the head only its address, port and key, over gloo on 127.0.0.1.
 
 Greedy tokens equal transformers' (and one process's) with one pipeline stage on each node, and
-with two tensor-parallel ranks in each stage; the other node's ranks get their calls from their
+with two tensor-parallel ranks in each stage; the other node's ranks read their calls from their
 own node's shared memory, not the head's; the headless node exits, leaving no process behind, when
-the head shuts down, when the head's ranks die and when the head goes silent; a layout that would
-put a tensor-parallel group across nodes is refused with a message that says why; when the other
-node dies or goes silent, the head's requests fail with an error within the node timeout instead
-of waiting forever, and a server's /health turns 503; the head refuses a wrong key, a stray client
-and a node that runs another dtype, and goes on waiting; a node started before its head waits for
-it, saying for what, and gives up after the start timeout.
+the head shuts down and when the head goes away; a layout that would put a tensor-parallel group
+across nodes is refused with a message that says why; when the other node dies, the head's
+requests fail with an error instead of waiting forever, and a server's stream ends with the error
+and its /health turns 503; the head refuses a wrong key, stray clients and a node that runs
+another dtype or layout, naming the difference, and goes on waiting; a node started before its
+head waits for it, saying for what, and gives up after the start timeout. Data-parallel cores on
+another node serve behind the head's load balancer, and one lost fails its own requests only.
+Where the test may make namespaces, the second node runs in a network and mount namespace of its
+own, and a cut wire (a partition: nothing closes) fails the head's requests within the timeout.
 """
 import concurrent.futures
 import contextlib
@@ -184,12 +187,16 @@ def test_head_refuses_wrong_key_stray_clients_and_another_dtype(three_layer_dir,
                            "in dtype: the head's is torch.float32, this node's torch.bfloat16"):
             join(Config(three_layer_dir, dtype="bfloat16", **node), ("127.0.0.1", port + 1), 1,
                  "node")
+        with pytest.raises(ValueError, match=r"in \(tensor, pipeline, nodes\): the head's is "
+                           r"\(1, 2, 2\), this node's \(2, 2, 2\)"):
+            join(Config(three_layer_dir, tensor_parallel_size=2, **node), ("127.0.0.1", port + 1),
+                 1, "node")
         link, config = join(Config(three_layer_dir, **node), ("127.0.0.1", port + 1), 1, "node")
         thread.join(10)
     assert len(admitted) == 1 and config.node_rank == 1
     assert config.max_model_len == head.max_model_len   # (the head's configuration)
     refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-    assert len(refusals) == 4 and "dtype: the head's is torch.float32" in refusals[-1], refusals
+    assert len(refusals) == 5 and "dtype: the head's is torch.float32" in refusals[-2], refusals
     assert all("from 127.0.0.1" in r for r in refusals)
     link.close()
     admitted[0].close()
@@ -333,6 +340,33 @@ def stream(url: str, prompt: str, started: threading.Barrier) -> str:
                 if len(events) == 1:
                     started.wait(60)
     return "\n".join(events)
+
+
+@pytest.mark.timeout(240)
+def test_a_server_whose_other_node_dies_fails_its_streams_and_says_so(three_layer_dir):
+    """A server's head with the second pipeline stage on a headless node: the node killed while a
+    request streams, the stream ends with an error (not a hang) and /health turns 503."""
+    port = free_port()
+    master = str(free_port())
+    nodes = ["--pipeline-parallel-size", "2", "--nnodes", "2", "--master-port", master]
+    head = serve(three_layer_dir, "--port", str(port), "--served-model-name", "m", *nodes)
+    node = serve(three_layer_dir, "--headless", "--node-rank", "1", *nodes)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, head)
+        started = threading.Barrier(2)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(stream, url, "Once upon a time", started)
+            started.wait(60)
+            for proc in [node, *psutil.Process(node.pid).children(recursive=True)]:
+                proc.kill()
+            events = running.result(timeout=60)
+        assert '"error"' in events and "node 1 was lost" in events, events[-500:]
+        assert httpx.get(url + "/health").status_code == 503
+    finally:
+        node.kill()
+        head.send_signal(signal.SIGINT)
+        head.wait(30)
 
 
 def wait_for_health(url: str, proc: subprocess.Popen) -> None:
