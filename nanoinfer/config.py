@@ -127,12 +127,10 @@ class Config:
                 f">= 1 and node_rank one in [0, nnodes), got {n!r} and {self.node_rank!r}")
         # (whole stages to a node: a tensor-parallel group's all-reduce in every layer needs a
         # node's own links, a stage boundary only one send a step)
-        require(self.pipeline_parallel_size % n == 0, f"pipeline_parallel_size="
-                f"{self.pipeline_parallel_size} does not split over nnodes={n}: each node holds "
-                "whole pipeline stages (a tensor-parallel group never spans nodes)")
+        require(self.pipeline_parallel_size % n == 0, f"nnodes={n} must divide pipeline_parallel_"
+                f"size={self.pipeline_parallel_size}: each node holds whole pipeline stages")
         require(is_int(self.master_port, 1, 65534) if n > 1 else self.master_port is None,
-                f"master_port: the head's rendezvous port (its links' the next) when nnodes > 1, "
-                f"else None, got master_port={self.master_port!r}, nnodes={n}")
+                f"master_port: the head's if nnodes > 1, else None; got {self.master_port!r}")
 
     @property
     def num_lookahead_tokens(self) -> int:

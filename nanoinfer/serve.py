@@ -71,9 +71,8 @@ def check_nodes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     of_model = args.nnodes > 1 and args.node_rank >= 1
     of_cores = args.nnodes == 1 and start >= 1 and args.data_parallel_rpc_port is not None
     if args.headless != (of_model or of_cores):
-        parser.error("--headless is exactly a node other than the head: of a model (--nnodes N "
-                     "--node-rank 1 to N-1) or of cores (--data-parallel-start-rank 1 or more, "
-                     "--data-parallel-rpc-port)")
+        parser.error("--headless is a node other than the head: of a model (--node-rank >= 1) "
+                     "or of cores (--data-parallel-start-rank >= 1, --data-parallel-rpc-port)")
     if not 1 <= local <= size - start:
         parser.error(f"--data-parallel-size-local {local} from --data-parallel-start-rank {start}: "
                      f"1 or more cores within --data-parallel-size {size}")
@@ -81,19 +80,20 @@ def check_nodes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("cores on other nodes need --data-parallel-rpc-port (--data-parallel-address)")
 
 
-def run_node(args: argparse.Namespace, config: Config, address: tuple) -> int:
+def run_node(args: argparse.Namespace, options: dict, address: tuple) -> int:
     """A headless node's exit status: it runs a model's ranks (--nnodes) or data-parallel cores."""
     from nanoinfer.executor import multinode, node_link
     cores = range(args.data_parallel_start_rank,
                   args.data_parallel_start_rank + args.data_parallel_size_local)
     try:
+        config = Config(args.model, **options)
         return (multinode.run_headless(config) if args.nnodes > 1
                 else node_link.run_headless_cores(config, address, cores))
     except KeyboardInterrupt:   # (its ranks stop with it)
         print("nanoinfer: node stopped", flush=True)
         return 130
     except Exception as e:   # (no head, a wrong key, refused: the message says which)
-        print(f"nanoinfer: {e}", file=sys.stderr, flush=True)
+        print(f"nanoinfer: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
 
 
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
                    if f.init and f.name != "model" and hasattr(args, f.name)}
         address = (args.data_parallel_address, args.data_parallel_rpc_port)
         if args.headless:   # a node of a model's ranks or of data-parallel cores: no front end
-            sys.exit(run_node(args, Config(args.model, **options), address))
+            sys.exit(run_node(args, options, address))
         engine = AsyncLLM(args.model, data_parallel_size=args.data_parallel_size,
                           data_parallel_size_local=args.data_parallel_size_local,
                           data_parallel_address=address, **options)

@@ -208,7 +208,7 @@ def test_a_node_started_first_waits_for_its_head_then_gives_up(three_layer_dir):
                       text=True, env={"NANOINFER_NODE_START_TIMEOUT": "3"})
     output = node.communicate(timeout=60)[0]
     assert node.returncode == 1
-    assert f"waiting for the head at ('127.0.0.1', {port + 1}), up to 3 s" in output
+    assert f"waiting for the head at ('127.0.0.1', {port + 1})" in output
     assert f"no head at 127.0.0.1:{port + 1} in 3 s" in output
 
 
@@ -226,8 +226,8 @@ def test_each_tensor_parallel_group_inside_one_node(llama_dir, tp, pp, nnodes):
     in order, each tensor-parallel group inside one node, the driver on the last."""
     nodes = {"nnodes": nnodes, "master_port": 29500 if nnodes > 1 else None, "device": "cpu"}
     if pp % nnodes:
-        with pytest.raises(ValueError, match=f"pipeline_parallel_size={pp} does not split over "
-                           f"nnodes={nnodes}: each node holds whole pipeline stages"):
+        with pytest.raises(ValueError, match=f"nnodes={nnodes} must divide pipeline_parallel_size="
+                           f"{pp}: each node holds whole pipeline stages"):
             Config(llama_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **nodes)
         return
     configs = [Config(llama_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, node_rank=n,
@@ -240,12 +240,12 @@ def test_each_tensor_parallel_group_inside_one_node(llama_dir, tp, pp, nnodes):
 
 
 def test_bad_node_settings(llama_dir):
-    with pytest.raises(ValueError, match="when nnodes > 1, else None, got master_port=None"):
+    with pytest.raises(ValueError, match="the head's if nnodes > 1, else None; got None"):
         Config(llama_dir, pipeline_parallel_size=2, nnodes=2)
-    with pytest.raises(ValueError, match="got master_port=70000, nnodes=2"):
+    with pytest.raises(ValueError, match="the head's if nnodes > 1, else None; got 70000"):
         Config(llama_dir, pipeline_parallel_size=2, nnodes=2, master_port=70000)
     # (one node's ranks meet at a free port: a fixed one would clash between data-parallel cores)
-    with pytest.raises(ValueError, match="got master_port=29500, nnodes=1"):
+    with pytest.raises(ValueError, match="the head's if nnodes > 1, else None; got 29500"):
         Config(llama_dir, tensor_parallel_size=2, master_port=29500)
     for nnodes in (0, "2", None):
         with pytest.raises(ValueError, match=f"nnodes must be an integer >= 1 .* got {nnodes!r}"):
@@ -437,7 +437,7 @@ def test_partitioned_node_in_a_namespace_of_its_own(three_layer_dir, namespace, 
         start = time.monotonic()
         with pytest.raises(WorkerDiedError, match="node 1 was lost: .*timed out"):
             llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert time.monotonic() - start < 4 + 10
+        assert time.monotonic() - start < 4 + 30   # (bounded: the timeout, and a loaded machine)
         assert_exits_with_its_processes(node, 1)
         llm.shutdown()
     finally:

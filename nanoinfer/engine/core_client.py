@@ -47,7 +47,7 @@ from nanoinfer.engine.core import EngineCore
 from nanoinfer.core.messages import EngineCoreRequest, SchedulerStats
 from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.executor.multinode import node_ranks
-from nanoinfer.executor.node_link import accept
+from nanoinfer.executor.node_link import accept, start_timeout
 from nanoinfer.executor.multiproc_executor import exit_with_parent, stop_processes
 from nanoinfer.utils import engine_num_threads, require
 
@@ -113,9 +113,8 @@ def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
 
 
 def start_cores(config: Config, data_parallel_size: int, links: list | None = None) -> tuple:
-    """Start the core processes, each on its own GPUs; their connections and processes. Each core
-    and worker gets its share of the CPU threads through OMP_NUM_THREADS, unless the user set it
-    (utils.engine_num_threads). `links`: the cores' own links to a head on another node."""
+    """Start the core processes, each on its own GPUs and share of CPU threads (OMP_NUM_THREADS,
+    unless set); their connections and processes. `links`: their links to another node's head."""
     ctx = mp.get_context("spawn")
     conns = []
     procs = []
@@ -192,7 +191,8 @@ class EngineCoreClient:
         """Core `rank`'s number of KV-cache blocks once started; else a RuntimeError saying why."""
         try:
             conn = self.conns[rank]
-            message = conn.recv() if conn.poll(600) else ("dead", "it did not start in 10 minutes")
+            ready = conn.poll(600 + start_timeout())   # (loading, after waiting for other nodes)
+            message = conn.recv() if ready else ("dead", "it did not start in time")
         except (EOFError, OSError):
             message = ("dead", self.ended(rank))
         if message[0] != "ready":

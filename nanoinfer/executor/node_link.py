@@ -130,6 +130,8 @@ def accept(config: Config, address: tuple[str, int], what: str, ranks: range) ->
             except Exception as e:   # (a wrong key, a stray client, a silent one, another model)
                 sock.close()
                 logger.warning("refused a connection from %s:%d: %s", *peer[:2], e)
+        for conn in joined.values():   # (all at once: every node's ranks start together)
+            conn.send(config)
         unless_all_join.pop_all()
     return [joined[r] for r in ranks]
 
@@ -140,8 +142,8 @@ def admit(sock: socket.socket, config: Config, mine: dict, ranks: range,
     conn = handshake(sock, b"head")   # (on an error below, the caller's drop of it closes it)
     rank, theirs = conn.recv() if conn.poll(node_timeout()) else (None, {})
     refusal = refuse(mine, rank, theirs, ranks, joined)
-    conn.send(refusal or config)
     if refusal is not None:
+        conn.send(refusal)
         conn.close()
         raise ValueError(refusal)
     return rank, conn
@@ -161,8 +163,7 @@ def join(config: Config, address: tuple[str, int], rank: int, what: str) -> tupl
     the connection, and the head's configuration with this node's own model path and rank."""
     cluster_key()   # (set, before any wait)
     deadline = time.monotonic() + start_timeout()
-    print(f"nanoinfer: {what} {rank} waiting for the head at {address}, up to "
-          f"{start_timeout():g} s", flush=True)
+    print(f"nanoinfer: {what} {rank} waiting for the head at {address}", flush=True)
     while True:
         try:   # (again, until the deadline, also when the handshake times out)
             conn = handshake(socket.create_connection(address, timeout=node_timeout()), b"node")
@@ -173,9 +174,10 @@ def join(config: Config, address: tuple[str, int], rank: int, what: str) -> tupl
                                    f"s ({e}): is it started, with this address and port?") from None
             time.sleep(1)
     conn.send((rank, fingerprint(config)))
-    reply = conn.recv() if conn.poll(node_timeout()) else "no answer"
+    reply = conn.recv() if conn.poll(start_timeout()) else "no answer"   # (once all have joined)
     require(not isinstance(reply, str), f"the head refused {what} {rank}: {reply}")
-    return conn, dataclasses.replace(reply, model=config.model, node_rank=config.node_rank)
+    return conn, dataclasses.replace(reply, model=config.model, node_rank=config.node_rank,
+                                     master_addr=config.master_addr)
 
 
 
