@@ -173,7 +173,7 @@ def test_head_refuses_wrong_key_stray_clients_and_another_dtype(three_layer_dir,
         wrong = start_node(three_layer_dir, 1, port, key="another-secret",
                            stderr=subprocess.PIPE, text=True)
         assert wrong.wait(60) == 1
-        assert "does not hold NANOINFER_CLUSTER_KEY's secret" in wrong.stderr.read()
+        assert "the head holds another NANOINFER_CLUSTER_KEY" in wrong.stderr.read()
         for garbage in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 4, b""):   # (b"": silent)
             with socket.create_connection(("127.0.0.1", port + 1)) as stray:
                 stray.sendall(garbage)

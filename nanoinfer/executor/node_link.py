@@ -67,7 +67,7 @@ def handshake(sock: socket.socket, role: bytes) -> Connection:
     other = b"node" if role == b"head" else b"head"
     if not hmac.compare_digest(recv_exactly(sock, 32, deadline),
                                hmac.digest(key, other + challenge, "sha256")):
-        raise AuthenticationError("the peer does not hold NANOINFER_CLUSTER_KEY's secret")
+        raise AuthenticationError(f"the {other.decode()} holds another NANOINFER_CLUSTER_KEY")
     sock.settimeout(None)
     # The kernel ends the link when the peer's machine is gone or cut off: probes once it has
     # been idle for half the timeout, and a limit on data left unacknowledged.
