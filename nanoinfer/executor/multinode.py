@@ -23,7 +23,8 @@ What crosses the network, and on what:
 
 The link's trust (a shared key) and faults: node_link.py. A lost node (its link closed or timed
 out) is a lost rank: the head stops its own ranks and the engine's next wait raises, so every
-request in flight fails with an error (on a server, /health turns 503); a node that loses the
+request in flight fails with an error (on a server, /health turns 503; an idle engine finds it at
+its next step); a node that loses the
 head, or one of its own ranks, stops its ranks and exits.
 With one node none of this runs: not a line of it is on that path.
 """

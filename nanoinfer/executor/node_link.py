@@ -11,9 +11,9 @@ each sends a random challenge and checks the other's HMAC-SHA256 of it (with its
 proof cannot be sent back to its maker). Then the node says what it runs, its fingerprint (the
 model's config.json, the dtype, the layout, a hash of nanoinfer's code), and the head refuses one
 that differs, naming what, and goes on waiting; an accepted node is sent the head's
-configuration, so every setting is the head's. The head listens only on the address it is given,
-and only until every node has joined. torch.distributed's store and its collectives authenticate
-nobody: like vLLM's, they must sit on a trusted network.
+configuration, so every other setting is the head's. The head listens only on the address it is
+given, and only until every node has joined. torch.distributed's store and its collectives
+authenticate nobody: like vLLM's, they must sit on a trusted network.
 
 Faults. The kernel watches each link (TCP keep-alive probes, and a limit on data left
 unacknowledged): a peer that is killed closes it at once, and a machine that is gone or cut off
