@@ -44,7 +44,8 @@ finds another's blocks in the prefix cache. The client is the standard library's
 
 `--workload fixed --input-len 4096 --output-len 256` gives every request those lengths;
 `--dp 2` starts a server with two engine cores, `--disagg` a prefill server on GPU 0 and a decode
-server on GPU 1 with a P2pConnector between them and the proxy in front (kv_transfer/).
+server on GPU 1 with a SharedStorageConnector between them (a temporary folder) and the proxy in
+front (kv_transfer/).
 
 Structured output: `--guided-json [FILE]` makes every request follow a JSON schema (bench.py's
 typical one without FILE); `--tokenizer DIR` gives a random-weight shape a real tokenizer.
@@ -406,13 +407,18 @@ def start(cmd: list[str], url: str, gpus: str | None = None) -> tuple[subprocess
 
 
 def start_disaggregated(model: str, engine_kwargs: dict) -> tuple[list[subprocess.Popen], str]:
-    """A prefill server on GPU 0 and a decode server on GPU 1 (P2pConnector between them: NCCL,
-    gloo on the CPU), and the proxy in front of them."""
+    """A prefill server on GPU 0 and a decode server on GPU 1 (a SharedStorageConnector between
+    them, over a temporary folder), and the proxy in front of them."""
     from concurrent.futures import ThreadPoolExecutor
-    port = free_port()
-    with ThreadPoolExecutor(2) as pool:   # (they meet as they start: one after the other would wait forever)
+    import atexit
+    import shutil
+    import tempfile
+    folder = tempfile.mkdtemp(prefix="nanoinfer-bench-kv-")
+    atexit.register(shutil.rmtree, folder, True)   # (the blocks, once both servers have stopped)
+    with ThreadPoolExecutor(2) as pool:   # (both start at once)
         servers = [pool.submit(start_server, model, engine_kwargs | {"kv_transfer_config": {
-            "kv_connector": "P2pConnector", "kv_role": role, "kv_connector_extra_config": {"kv_port": port}}}, 1, gpu)
+            "kv_connector": "SharedStorageConnector", "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": folder}}}, 1, gpu)
             for role, gpu in (("kv_producer", "0"), ("kv_consumer", "1"))]
         (prefill, prefill_url), (decode, decode_url) = [s.result() for s in servers]
     proxy_port = free_port()

@@ -99,6 +99,17 @@ class Config:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def node_ranks(self) -> range:
+        """The ranks this node runs: node n the n-th of `nnodes` equal parts (whole stages)."""
+        per_node = self.world_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+    @property
+    def driver_rank(self) -> int:
+        """The rank that samples and sends the outputs: the last stage's first."""
+        return self.world_size - self.tensor_parallel_size
+
     def check_model_parallel(self) -> None:
         """The model's sizes must split evenly over the tensor-parallel ranks (KV heads may be
         replicated), and each pipeline stage must get at least one layer."""
@@ -211,9 +222,7 @@ class SpeculativeConfig:
 @dataclass
 class KVTransferConfig:
     """`kv_transfer_config={"kv_connector": ..., "kv_role": ..., "kv_connector_extra_config":
-    {...}}`, vLLM's keys (kv_transfer/). SharedStorageConnector needs "shared_storage_path",
-    P2pConnector "kv_port" (and "kv_ip", default 127.0.0.1) and a role of kv_producer or
-    kv_consumer."""
+    {...}}`, vLLM's keys (kv_transfer/): SharedStorageConnector, with "shared_storage_path"."""
     kv_connector: str
     kv_role: str
     extra_config: dict
@@ -225,17 +234,13 @@ class KVTransferConfig:
                 f"kv_connector, kv_role and kv_connector_extra_config, got {d!r}")
         spec = cls(d.get("kv_connector"), d.get("kv_role"),
                    d.get("kv_connector_extra_config") or {})
-        shared = spec.kv_connector == "SharedStorageConnector"
-        require(shared or spec.kv_connector == "P2pConnector", "kv_connector must be "
-                f"'SharedStorageConnector' or 'P2pConnector', got {spec.kv_connector!r}")
-        roles = ["kv_producer", "kv_consumer"]
-        if shared:   # (one engine that both saves and loads: through shared storage only)
-            roles.append("kv_both")
-        require(spec.kv_role in roles,
-                f"kv_role must be one of {roles} for {spec.kv_connector}, got {spec.kv_role!r}")
-        need, kind = ("shared_storage_path", str) if shared else ("kv_port", int)
-        require(isinstance(spec.extra_config.get(need), kind), f"{spec.kv_connector} needs "
-                f"kv_connector_extra_config[{need!r}], a {kind.__name__}")
+        require(spec.kv_connector == "SharedStorageConnector", "kv_connector must be "
+                f"'SharedStorageConnector', got {spec.kv_connector!r}")
+        roles = ["kv_producer", "kv_consumer", "kv_both"]
+        require(spec.kv_role in roles, f"kv_role must be one of {roles}, got {spec.kv_role!r}")
+        require(isinstance(spec.extra_config.get("shared_storage_path"), str),
+                "SharedStorageConnector needs kv_connector_extra_config['shared_storage_path'], "
+                "a str")
         return spec
 
 

@@ -18,7 +18,11 @@ import signal
 import sys
 import typing
 
+import torch
+import uvicorn
+
 from nanoinfer.config import Config
+from nanoinfer.utils import exit_now
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,13 +86,14 @@ def check_nodes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 def run_node(args: argparse.Namespace, options: dict, address: tuple) -> int:
     """A headless node's exit status: it runs a model's ranks (--nnodes) or data-parallel cores."""
-    from nanoinfer.executor import multinode, node_link
+    from nanoinfer.engine.core_client import run_headless_cores
+    from nanoinfer.executor import multinode
     cores = range(args.data_parallel_start_rank,
                   args.data_parallel_start_rank + args.data_parallel_size_local)
     try:
         config = Config(args.model, **options)
         return (multinode.run_headless(config) if args.nnodes > 1
-                else node_link.run_headless_cores(config, address, cores))
+                else run_headless_cores(config, address, cores))
     except KeyboardInterrupt:   # (its ranks stop with it)
         print("nanoinfer: node stopped", flush=True)
         return 130
@@ -97,11 +102,47 @@ def run_node(args: argparse.Namespace, options: dict, address: tuple) -> int:
         return 1
 
 
-def main(argv=None) -> None:
-    import torch
-    import uvicorn
+class Server(uvicorn.Server):
+    """uvicorn's server, stopping as a server should: on SIGTERM or Ctrl-C it stops accepting and
+    gives the requests in flight `shutdown_timeout` seconds; then it aborts those still running
+    itself, so that each ends as an abort does (a stream with its last chunk, finish_reason
+    "abort", and [DONE]) and uvicorn has nothing to cancel (its own timeout, later, is only a
+    backstop)."""
 
+    def __init__(self, app, args: argparse.Namespace, engine):
+        super().__init__(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                        timeout_graceful_shutdown=args.shutdown_timeout + 5))
+        self.engine = engine
+        self.shutdown_timeout = args.shutdown_timeout
+
+    def handle_exit(self, sig, frame) -> None:
+        loop = self.engine.loop   # (None: no request ever came, so none is running)
+        if not self.should_exit and loop is not None:   # (the first signal; from a handler:
+            loop.call_soon_threadsafe(   # only the thread-safe call may touch the loop)
+                loop.call_later, self.shutdown_timeout, self.engine.abort_all)
+        super().handle_exit(sig, frame)
+
+
+def start_engine(args: argparse.Namespace):
+    """The engine (AsyncLLM) and the served model's name; or, for a headless node, its run."""
     from nanoinfer.engine.async_llm import AsyncLLM
+    name = args.served_model_name or args.model
+    if args.model is None:
+        from nanoinfer.default_model import default_model_path
+        args.model = default_model_path()
+        name = args.served_model_name or "SmolLM2-135M-Instruct"
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
+               if f.init and f.name != "model" and hasattr(args, f.name)}
+    address = (args.data_parallel_address, args.data_parallel_rpc_port)
+    if args.headless:   # a node of a model's ranks or of data-parallel cores: no front end
+        sys.exit(run_node(args, options, address))
+    engine = AsyncLLM(args.model, data_parallel_size=args.data_parallel_size,
+                      data_parallel_size_local=args.data_parallel_size_local,
+                      data_parallel_address=address, **options)
+    return engine, name
+
+
+def main(argv=None) -> None:
     from nanoinfer.entrypoints.openai_server import create_app
     args = parse_args(argv)
     # This process runs no model (its engine cores do, each on its share of the cores: vLLM's
@@ -111,33 +152,19 @@ def main(argv=None) -> None:
     # SIGTERM while the engine starts is a Ctrl-C: the cores started so far are stopped.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        name = args.served_model_name or args.model
-        if args.model is None:
-            from nanoinfer.default_model import default_model_path
-            args.model = default_model_path()
-            name = args.served_model_name or "SmolLM2-135M-Instruct"
-        options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
-                   if f.init and f.name != "model" and hasattr(args, f.name)}
-        address = (args.data_parallel_address, args.data_parallel_rpc_port)
-        if args.headless:   # a node of a model's ranks or of data-parallel cores: no front end
-            sys.exit(run_node(args, options, address))
-        engine = AsyncLLM(args.model, data_parallel_size=args.data_parallel_size,
-                          data_parallel_size_local=args.data_parallel_size_local,
-                          data_parallel_address=address, **options)
+        engine, name = start_engine(args)
     except KeyboardInterrupt:
         print("nanoinfer: stopped while starting", flush=True)
         return
     try:
-        app = create_app(engine, name, args.api_key, args.max_request_bytes)
+        server = Server(create_app(engine, name, args.api_key, args.max_request_bytes), args,
+                        engine)
         c = engine.config
         key = ", API key required" if args.api_key else ""
         print(f"nanoinfer: serving {name!r} at http://{args.host}:{args.port}/v1 (max_model_len="
               f"{c.max_model_len}, data parallel {args.data_parallel_size}, tensor parallel "
               f"{c.tensor_parallel_size}, pipeline parallel {c.pipeline_parallel_size}, "
               f"{c.device}, {str(c.torch_dtype).removeprefix('torch.')}{key})", flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                               log_level="warning",
-                                               timeout_graceful_shutdown=args.shutdown_timeout))
         # uvicorn takes SIGINT and SIGTERM while it serves; once it has stopped it raises the
         # signal again, to the handler that was there before it (by default: the end of the
         # process, before the finally below stops the engine cores, and a status of 143 or 130).
@@ -153,9 +180,5 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
-    # The engine cores are stopped and the sockets closed. The interpreter's own teardown, a garbage
-    # collection over every object the server made, would only hold up the exit (seconds, on a
-    # busy machine).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # The engine cores are stopped and the sockets closed; the resource tracker goes too.
+    exit_now(0, stop_tracker=True)

@@ -1,6 +1,13 @@
-"""Small helpers that several parts of the engine share."""
+"""Small helpers that several parts of the engine share: numbers, settings, and processes."""
+import functools
 import math
+import multiprocessing.resource_tracker
 import os
+import signal
+import sys
+import threading
+import time
+import traceback
 
 
 def cdiv(a: int, b: int) -> int:
@@ -39,3 +46,50 @@ def engine_num_threads(device: str, num_procs: int) -> int:
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores - 1) // num_procs)
+
+
+def stop_processes(procs: list, timeout: float) -> None:
+    """Join each process for `timeout` seconds, then kill it (one never started is skipped)."""
+    for proc in procs:
+        if proc.pid is not None:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)   # the parent is gone: nobody will send another message
+
+
+def child_process(main):
+    """A process the engine starts (an engine core, a worker rank) runs `main` this way: Ctrl-C
+    and SIGTERM are its parent's to handle (a service manager sends them to the whole group, and
+    the parent stops its children itself), it exits when its parent is gone, and it ends with
+    `exit_now`. `main` reports its own errors; one that escapes is printed, and the status is 1."""
+    @functools.wraps(main)
+    def run(*args) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
+        status = 1
+        try:
+            status = main(*args) or 0
+        except BaseException:
+            traceback.print_exc()
+        exit_now(status)
+    return run
+
+
+def exit_now(status: int = 0, stop_tracker: bool = False) -> None:
+    """End this process now, without the interpreter's teardown (a garbage collection over every
+    object it made: seconds, on a busy machine); what it printed is flushed first. The process
+    that started the others (`stop_tracker`) first stops multiprocessing's resource tracker, so
+    that no process of ours outlives its exit status."""
+    if stop_tracker:
+        multiprocessing.resource_tracker._resource_tracker._stop()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

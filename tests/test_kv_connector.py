@@ -3,18 +3,12 @@ consumer engine started later loads them instead of computing them, and gets exa
 colocated engine gets; missing blocks are computed; a truncated or corrupted block is found (by
 safetensors' size check, or the checksum) and computed again, never used, and the next save
 replaces it; another model's blocks in the same folder are never read; a save that fails is
-counted and logged, and the producer serves on. Point to point: a producer sends its blocks to a
-consumer over gloo, with the same result, through idle periods longer than every timeout; a
-consumer that leaves or dies costs the producer nothing, and a new one pairs again; the two ends
-refuse to pair when their blocks would mean different things."""
+counted and logged, and the producer serves on."""
 import glob
 import logging
-import multiprocessing as mp
 import os
 import shutil
-import signal
 import socket
-import time
 
 import pytest
 import torch
@@ -23,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from conftest import hf_greedy, random_prompts
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
-from nanoinfer.kv_transfer import kv_layout, layout_id
+from nanoinfer.kv_transfer.layout import kv_layout, layout_id
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LENGTHS = [40, 57, 16, 5]   # full blocks: 2, 3, 0 (16 tokens: the last one is always computed), 0
@@ -32,11 +26,6 @@ LENGTHS = [40, 57, 16, 5]   # full blocks: 2, 3, 0 (16 tokens: the last one is a
 def transfer(role: str, path: str, **extra) -> dict:
     return {"kv_connector": "SharedStorageConnector", "kv_role": role,
             "kv_connector_extra_config": {"shared_storage_path": path, **extra}}
-
-
-def p2p(role: str, port: int, **extra) -> dict:
-    return {"kv_connector": "P2pConnector", "kv_role": role,
-            "kv_connector_extra_config": {"kv_port": port, "kv_timeout": 2, **extra}}
 
 
 def run(path: str, prompts: list, params: SamplingParams, **kwargs) -> tuple[list, object]:
@@ -134,7 +123,7 @@ def test_two_models_over_one_folder_never_read_each_others_blocks(llama_dir, fin
 
 
 def test_a_fingerprint_sees_one_tensor_changed(tmp_path):
-    from nanoinfer.kv_transfer import model_fingerprint
+    from nanoinfer.kv_transfer.layout import model_fingerprint
     weights = {f"layers.{i}.weight": torch.randn(256, 256) for i in range(64)}   # 16 MiB
     for name in ("base", "copy", "tuned"):
         (tmp_path / name).mkdir()
@@ -196,136 +185,6 @@ def test_bad_transfer_configs(llama_dir, tmp_path):
                           ({"kv_role": "kv_both", "extra": 1}, "must be a dict of")]:
         with pytest.raises(ValueError, match=match):
             Config(llama_dir, kv_transfer_config=config)
-    from nanoinfer.engine.core_client import EngineCoreClient
-
-    class Front:
-        def on_message(self, *args):
-            pass
-    front = Front()
-    with pytest.raises(ValueError, match="data_parallel_size=1"):
-        EngineCoreClient(Config(llama_dir, kv_transfer_config=p2p("kv_producer", 1)), front.on_message, 2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(condition, seconds: float = 30) -> None:
-    for _ in range(int(seconds * 20)):
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
-def test_point_to_point_through_idle_links_and_consumers_that_go(llama_dir, caplog):
-    """The producer and a consumer in this process, over gloo with 2 s timeouts; a second consumer
-    in a process of its own, killed."""
-    port, prompts = free_port(), random_prompts([40, 57, 16, 5, 32, 35, 50], seed=13)
-    producer = LLM(llama_dir, kv_transfer_config=p2p("kv_producer", port))
-    consumer = LLM(llama_dir, kv_transfer_config=p2p("kv_consumer", port))
-    sender, receiver = (llm.llm_engine.model_executor.kv_connector for llm in (producer, consumer))
-    try:
-        wait_for(lambda: sender.link is not None)
-        producer.generate(prompts[:4], SamplingParams(max_tokens=1), use_tqdm=False)
-        wait_for(lambda: len(receiver.received) == 6)
-        time.sleep(3)   # idle: longer than every timeout of the link
-        outputs = consumer.generate(prompts[:4], GREEDY, use_tqdm=False)
-        assert tokens(outputs) == greedy(llama_dir, prompts[:4])
-        assert [o.num_cached_tokens for o in outputs] == [32, 48, 0, 0]
-        consumer.generate(prompts[5:6], SamplingParams(max_tokens=1), use_tqdm=False)   # its own
-        time.sleep(3)
-        producer.generate(prompts[4:6], SamplingParams(max_tokens=1), use_tqdm=False)
-        wait_for(lambda: len(receiver.received) == 4)
-        outputs = consumer.generate(prompts[4:6], GREEDY, use_tqdm=False)
-        assert tokens(outputs) == greedy(llama_dir, prompts[4:6])
-        assert [o.num_cached_tokens for o in outputs] == [16, 32]   # (prompt 5: cached already)
-        # nothing is kept that no request will load: the last full block of a 16- or 32-token
-        # prompt (its last token is computed), blocks the consumer had cached (prompt 5)
-        assert receiver.received == {} and receiver.stats()["received_bytes"] == 0
-        assert sender.num_saved_blocks == 6 + 4 and receiver.num_loaded_blocks == 5 + 1
-        consumer.shutdown()   # it leaves: the producer stops sending, and serves on
-        with caplog.at_level(logging.WARNING, logger="nanoinfer"):
-            outputs = producer.generate(prompts[6:], GREEDY, use_tqdm=False)
-            producer.generate(random_prompts([33], seed=17), SamplingParams(max_tokens=1),
-                              use_tqdm=False)
-        assert tokens(outputs) == greedy(llama_dir, prompts[6:])
-        assert sender.link is None and sender.num_unsent_blocks == 3 + 2
-        assert sum("consumer is gone" in r.message for r in caplog.records) == 1
-
-        ctx = mp.get_context("spawn")   # a consumer that pairs again, and dies
-        paired = ctx.Queue()
-        other = ctx.Process(target=consume, args=(llama_dir, port, paired))
-        other.start()
-        assert paired.get(timeout=60) == "paired"
-        wait_for(lambda: sender.link is not None)
-        producer.generate(random_prompts([48], seed=18), SamplingParams(max_tokens=1), use_tqdm=False)
-        assert sender.num_saved_blocks == 10 + 3
-        os.kill(other.pid, signal.SIGKILL)
-        other.join(30)
-        caplog.clear()
-        fresh = random_prompts([40, 20], seed=19)
-        with caplog.at_level(logging.WARNING, logger="nanoinfer"):
-            outputs = producer.generate(fresh, GREEDY, use_tqdm=False)   # (after 2 s)
-        assert tokens(outputs) == greedy(llama_dir, fresh)
-        assert sender.link is None and any("consumer is gone" in r.message for r in caplog.records)
-    finally:
-        consumer.shutdown()
-        producer.shutdown()
-
-
-def consume(path: str, port: int, paired) -> None:
-    llm = LLM(path, device="cpu", kv_transfer_config=p2p("kv_consumer", port))
-    paired.put("paired")
-    time.sleep(600)   # (until killed)
-    llm.shutdown()
-
-
-def test_point_to_point_received_blocks_are_bounded(llama_dir):
-    """Room for two blocks: an offer of three brings its first two; the next offer evicts them."""
-    port, prompts = free_port(), random_prompts([57, 40], seed=20)
-    block = Config(llama_dir, device="cpu").kv_cache_bytes_per_token() * 16
-    producer = LLM(llama_dir, kv_transfer_config=p2p("kv_producer", port))
-    consumer = LLM(llama_dir, kv_transfer_config=p2p("kv_consumer", port, kv_buffer_size=2 * block))
-    sender, receiver = (llm.llm_engine.model_executor.kv_connector for llm in (producer, consumer))
-    try:
-        wait_for(lambda: sender.link is not None)
-        producer.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)   # 3 blocks
-        wait_for(lambda: len(receiver.received) == 2)
-        assert sender.num_unsent_blocks == 1 and receiver.stats()["received_bytes"] == 2 * block
-        producer.generate(prompts[1:], SamplingParams(max_tokens=1), use_tqdm=False)   # 2 more
-        wait_for(lambda: receiver.num_matched_blocks(block_hashes(prompts[1:])[0]) == 2)
-        assert receiver.stats()["evicted_blocks"] == 2
-        outputs = consumer.generate(prompts, GREEDY, use_tqdm=False)
-        assert tokens(outputs) == greedy(llama_dir, prompts)
-        assert [o.num_cached_tokens for o in outputs] == [0, 32]
-        assert consumer.llm_engine.engine_core.stats().kv_connector["received_bytes"] == 0
-        producer.shutdown()   # the consumer's thread ends; it computes everything, and stops
-        wait_for(lambda: not receiver.receiver.is_alive() and receiver.link is None)
-        fresh = random_prompts([45], seed=21)
-        assert tokens(consumer.generate(fresh, GREEDY, use_tqdm=False)) == greedy(llama_dir, fresh)
-        consumer.shutdown()
-        assert receiver.block is None and receiver.received == {}
-    finally:
-        consumer.shutdown()
-        producer.shutdown()
-
-
-def test_point_to_point_ends_that_disagree_refuse_to_pair(llama_dir, fine_tune, caplog):
-    port = free_port()
-    producer = LLM(llama_dir, kv_transfer_config=p2p("kv_producer", port))
-    try:
-        with caplog.at_level(logging.ERROR, logger="nanoinfer"):
-            with pytest.raises(ValueError, match="block_size: ours 32, theirs 16"):
-                LLM(llama_dir, block_size=32, kv_transfer_config=p2p("kv_consumer", port))
-            with pytest.raises(ValueError, match="model: ours"):
-                LLM(fine_tune, kv_transfer_config=p2p("kv_consumer", port))
-            wait_for(lambda: sum("refused a consumer" in r.message for r in caplog.records) == 2)
-        assert producer.llm_engine.model_executor.kv_connector.link is None
-    finally:
-        producer.shutdown()
 
 
 def block_hashes(prompts: list) -> list[list[int]]:

@@ -35,7 +35,6 @@ from conftest import hf_greedy, random_prompts, save_model
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.engine.async_llm import AsyncLLM
-from nanoinfer.executor.multinode import driver_rank, node_ranks
 from nanoinfer.executor.node_link import accept, join
 from nanoinfer.executor.multiproc_executor import WorkerDiedError
 from nanoinfer.serve import parse_args
@@ -202,6 +201,24 @@ def test_head_refuses_wrong_key_stray_clients_and_another_dtype(three_layer_dir,
     admitted[0].close()
 
 
+@pytest.mark.timeout(120)
+def test_a_head_that_waited_in_vain_says_whom_it_refused_and_why(three_layer_dir, monkeypatch):
+    """The reason is in the final error, not only in a warning minutes before it."""
+    monkeypatch.setenv("NANOINFER_NODE_START_TIMEOUT", "8")
+    port = free_port()
+    head = Config(three_layer_dir, pipeline_parallel_size=2, nnodes=2, master_port=port,
+                  device="cpu")
+    wrong = start_node(three_layer_dir, 1, port, key="another-secret", stderr=subprocess.PIPE,
+                       env={"NANOINFER_NODE_START_TIMEOUT": "2"})
+    try:
+        with pytest.raises(RuntimeError, match=r"nodes \[1\] did not join in 8 s .*; node from "
+                           r"127\.0\.0\.1:\d+ refused: the node holds another NANOINFER_CLUSTER_KEY"):
+            accept(head, ("127.0.0.1", port + 1), "node", range(1, 2))
+    finally:
+        wrong.kill()
+        wrong.wait()
+
+
 def test_a_node_started_first_waits_for_its_head_then_gives_up(three_layer_dir):
     port = free_port()
     node = start_node(three_layer_dir, 1, port, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -232,11 +249,11 @@ def test_each_tensor_parallel_group_inside_one_node(llama_dir, tp, pp, nnodes):
         return
     configs = [Config(llama_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, node_rank=n,
                       **nodes) for n in range(nnodes)]
-    ranks = [node_ranks(c) for c in configs]
+    ranks = [c.node_ranks for c in configs]
     assert [r for node in ranks for r in node] == list(range(tp * pp))
     for first in range(0, tp * pp, tp):
         assert any(first in node and first + tp - 1 in node for node in ranks)
-    assert driver_rank(configs[0]) in ranks[-1]
+    assert configs[0].driver_rank in ranks[-1]
 
 
 def test_bad_node_settings(llama_dir):

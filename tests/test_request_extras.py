@@ -265,3 +265,32 @@ def test_api_error_words_fields_as_the_request_named_them():
     error = api_error(min_tokens, {"max_tokens": "max_completion_tokens"})
     assert (error.param, str(error)) == (
         "min_tokens", "min_tokens must be an integer in [0, max_completion_tokens=2], got 5")
+
+
+CONSTRAINTS = {"guided_json": {"type": "object"}, "guided_regex": "[ab]+", "guided_choice": ["a", "b"],
+               "response_format": {"type": "json_object"}}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sets(st.sampled_from(sorted(CONSTRAINTS)), max_size=4), st.booleans(),
+       st.sampled_from(["json_object", "json_schema"]))
+def test_two_constraints_in_one_request_are_refused_naming_both(names, chat, fmt):
+    """One of response_format and vLLM's guided_* fields is a constraint; two are a 400 that names
+    each, whichever they are (response_format once overwrote guided_json without a word)."""
+    from nanoinfer.entrypoints.errors import APIError
+    from nanoinfer.entrypoints.protocol import guided_decoding
+    body = {name: CONSTRAINTS[name] for name in names}
+    if "response_format" in body and fmt == "json_schema":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}
+    request = (ChatCompletionRequest(messages=[], **body) if chat else CompletionRequest(prompt="x", **body))
+    if len(names) <= 1:
+        guided = guided_decoding(request)
+        assert (guided is None) == (not names)
+        if names:
+            want = {"guided_regex": "regex", "guided_choice": "choice"}.get(*names, "json")
+            assert getattr(guided, want) is not None
+        return
+    with pytest.raises(APIError) as refused:
+        guided_decoding(request)
+    assert refused.value.status == 400 and refused.value.param in names
+    assert all(name in str(refused.value) for name in names), str(refused.value)

@@ -141,7 +141,8 @@ def test_vocabulary_bytes_of_a_byte_level_tokenizer(llama_dir):
 
 
 def test_bitmask_kernel_matches_torch():
-    from nanoinfer.kernels.bitmask import apply_token_bitmask_torch, apply_token_bitmask_triton
+    from nanoinfer.kernels.bitmask import apply_token_bitmask_triton
+    from nanoinfer.layers.sampler import apply_token_bitmask as apply_token_bitmask_torch   # (CPU)
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 1000, generator=gen)
     masks = torch.randint(-2**31, 2**31 - 1, (4, 32), generator=gen, dtype=torch.int64).to(torch.int32)

@@ -140,6 +140,11 @@ class AsyncLLM(FrontEnd):
             self.streams[request_id].put(self.output_processor.aborted_output(request_id))
         self.forget(request_id)
 
+    def abort_all(self) -> None:
+        """Abort every request still streaming (a server's shutdown timeout has passed)."""
+        for request_id in list(self.streams):
+            self.abort(request_id)
+
     def forget(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
         if request_id in self.output_processor.requests:

@@ -47,33 +47,24 @@ from nanoinfer.worker.model_runner import ModelRunner
 atexit.register(gc.unfreeze)
 
 
-class StepsInFlight:
+class StepsInFlight(deque):
     """The launched steps whose outputs the scheduler has not taken yet, oldest first (vLLM's
-    batch queue): async scheduling's one, or one per pipeline stage."""
+    batch queue): async scheduling's one, or one per pipeline stage. Each is a step's output,
+    `get_output()` to wait for it."""
 
     def __init__(self, scheduler: Scheduler, config: Config):
+        super().__init__()
         self.scheduler = scheduler
-        self.steps = deque()
         pp = config.pipeline_parallel_size
         self.max_steps = pp if pp > 1 else int(config.async_scheduling)
         # Pipelined steps in flight hold disjoint sequences.
         self.disjoint = pp > 1
 
-    def __len__(self) -> int:
-        return len(self.steps)
-
-    def append(self, output) -> None:
-        """A step just launched: its output, `get_output()` to wait for it."""
-        self.steps.append(output)
-
-    def clear(self) -> None:
-        self.steps.clear()
-
     def finish(self, keep: int) -> list[EngineCoreOutput]:
         """Wait for the oldest steps until `keep` are left; their outputs, processed."""
         outputs = []
-        while len(self.steps) > keep:
-            outputs += self.scheduler.update_from_output(self.steps.popleft().get_output())
+        while len(self) > keep:
+            outputs += self.scheduler.update_from_output(self.popleft().get_output())
         return outputs
 
     def finish_for_grammar(self) -> list[EngineCoreOutput]:

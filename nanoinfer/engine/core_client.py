@@ -31,8 +31,6 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import signal
-import sys
 import threading
 import traceback
 import weakref
@@ -46,20 +44,15 @@ from nanoinfer.config import Config, check_int
 from nanoinfer.engine.core import EngineCore
 from nanoinfer.core.messages import EngineCoreRequest, SchedulerStats
 from nanoinfer.engine.exceptions import EngineDeadError
-from nanoinfer.executor.multinode import node_ranks
-from nanoinfer.executor.node_link import accept, start_timeout
-from nanoinfer.executor.multiproc_executor import exit_with_parent, stop_processes
-from nanoinfer.utils import engine_num_threads, require
+from nanoinfer.executor.node_link import accept, join, start_timeout
+from nanoinfer.utils import child_process, engine_num_threads, require, stop_processes
 
 logger = logging.getLogger("nanoinfer")
 
 
+@child_process   # (Ctrl-C and SIGTERM are the front end's)
 def run_engine_core(config: Config, conn) -> None:
     """The core process: step while there is work, take messages between steps."""
-    # Ctrl-C and SIGTERM (sent to the whole group by a service manager) are the front end's.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
     core = None
 
     def handle(kind, payload) -> bool:
@@ -96,10 +89,6 @@ def run_engine_core(config: Config, conn) -> None:
     finally:
         if core is not None:
             core.shutdown()
-        # No interpreter teardown (a collection over every object: seconds, on a busy machine).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
@@ -119,7 +108,7 @@ def start_cores(config: Config, data_parallel_size: int, links: list | None = No
     conns = []
     procs = []
     saved = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
-    ranks = len(node_ranks(config))   # (of this node: other nodes run theirs)
+    ranks = len(config.node_ranks)   # (of this node: other nodes run theirs)
     gpus = core_gpus(data_parallel_size, ranks) if config.device == "cuda" else None
     threads = engine_num_threads(config.device, data_parallel_size * ranks)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
@@ -142,6 +131,20 @@ def start_cores(config: Config, data_parallel_size: int, links: list | None = No
     return conns, procs
 
 
+def run_headless_cores(config: Config, address: tuple[str, int], ranks: range) -> int:
+    """A node of data-parallel cores `ranks` for the head's front end (`serve ... --headless`):
+    each core joins the head (executor/node_link.py), then runs as a local one does, over its
+    link. Returns once they have all exited."""
+    joined = [join(config, address, rank, "data-parallel core") for rank in ranks]
+    procs = start_cores(joined[0][1], len(ranks), [conn for conn, _ in joined])[1]
+    try:
+        for proc in procs:
+            proc.join()
+    finally:
+        stop_processes(procs, 0)
+    return int(any(proc.exitcode for proc in procs))
+
+
 class EngineCoreClient:
     """Starts the core processes and talks to them. `on_message(rank, message)` is called from the
     reader thread for every message a core sends, and with ("dead", reason) when a core dies."""
@@ -154,9 +157,6 @@ class EngineCoreClient:
         require(1 <= local <= data_parallel_size and min(data_parallel_size, config.nnodes) == 1,
                 f"data_parallel_size_local={local} must be in 1..{data_parallel_size}, and data "
                 f"parallelism with nnodes={config.nnodes} > 1 is not supported yet")
-        p2p = config.kv_transfer and config.kv_transfer.kv_connector == "P2pConnector"
-        require(data_parallel_size == 1 or not p2p, "P2pConnector pairs one engine core with one "
-                "peer: it takes data_parallel_size=1 (SharedStorageConnector serves several)")
         self.on_message = weakref.WeakMethod(on_message)   # (the reader must not keep it alive)
         rest = range(local, data_parallel_size)   # other nodes' cores, first (node_link.py)
         links = accept(config, data_parallel_address, "data-parallel core", rest) if rest else []

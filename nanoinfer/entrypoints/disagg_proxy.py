@@ -8,7 +8,7 @@
 (PRODUCER and CONSUMER: a kv_transfer_config in JSON, with kv_role "kv_producer" and
 "kv_consumer": kv_transfer/.)
 The two are ordinary servers of the same model with a KV connector between them (kv_transfer/:
-a shared folder, or P2pConnector). For each completion or chat request the proxy first sends it
+a shared folder). For each completion or chat request the proxy first sends it
 to the prefill server with max_tokens 1, which leaves the prompt's KV blocks with the connector,
 then passes the request as it came to the decode server, which loads them, computes only what it
 was not given (the prompt's last partial block, at least), and streams its answer, which the

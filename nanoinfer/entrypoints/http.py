@@ -36,13 +36,10 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, root = scope.get("path", ""), scope.get("root_path", "")
         headers = dict(scope["headers"])
-        if root and path.startswith(root):   # (the route's path: under a mount or --root-path)
-            path = path[len(root):]
         status = 0
         key = headers.get(b"authorization")
-        if self.expected and path.startswith("/v1") and key != self.expected:
+        if self.expected and scope["path"].startswith("/v1") and key != self.expected:
             status, message = 401, "missing or wrong API key"
         elif self.max_bytes and int(headers.get(b"content-length", b"0") or 0) > self.max_bytes:
             status, message = 413, f"the request body is larger than {self.max_bytes:,} bytes"

@@ -11,7 +11,7 @@ served name) and `engine` (the core's data-parallel rank), except the info gauge
                 vllm:prefix_cache_hits, nanoinfer:aborted_seqs (sequences ended early: aborted,
                 or by a stop string)
     gauges      nanoinfer:kv_connector_* (with a KV connector: blocks loaded, saved, bad, failed
-                to save, unsent, evicted; bytes of received blocks held)
+                to save)
     histograms  vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds (a request's
                 mean, once it finishes), vllm:e2e_request_latency_seconds,
                 vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds,

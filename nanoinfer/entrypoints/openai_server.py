@@ -34,13 +34,6 @@ logger = logging.getLogger("nanoinfer")
 async def merge(streams):
     """(i, item) from several async iterators, as the items come; an error, or closing it,
     closes them all (a stream whose next item is on its way is closed by cancelling that)."""
-    if len(streams) == 1:   # (one prompt: as it comes, without a task per item)
-        try:
-            async for item in streams[0]:
-                yield 0, item
-        finally:
-            await streams[0].aclose()
-        return
     pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
     try:
         while pending:
@@ -70,9 +63,6 @@ class OpenAIServing:
         self.max_model_len = engine.config.max_model_len
         self.metrics = ServerMetrics(engine, model_name)
         engine.stat_logger = self.metrics.record
-        # a prompt of more characters than this cannot fit max_model_len: refused before tokenizing
-        longest = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer else 0
-        self.max_chars = self.max_model_len * longest if self.tokenizer else None
         self.card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoinfer",
                      "max_model_len": self.max_model_len}
 
@@ -83,14 +73,8 @@ class OpenAIServing:
         return self.card
 
     async def tokenize(self, where: str, num_chars: int, fn, *args):
-        """fn(*args), off the event loop for a long text (ValueError: a 400)."""
-        if self.tokenizer is None:
-            raise APIError(400, "text needs a tokenizer, and this server was started with "
-                                "--skip-tokenizer-init: send a completion's prompt as token ids",
-                           where)
-        if self.max_chars is not None and num_chars > self.max_chars:
-            raise APIError(400, f"{where}: {num_chars:,} characters, more tokens than this model's "
-                                f"maximum context length, {self.max_model_len}", where)
+        """fn(*args), off the event loop for a long text (ValueError, such as text without a
+        tokenizer: a 400). The body limit (--max-request-bytes) bounds the text."""
         try:
             return await self.engine.off_loop(num_chars > LONG_TEXT, fn, *args)
         except ValueError as e:

@@ -98,25 +98,31 @@ def check_fields(request) -> None:
 
 
 def guided_decoding(request) -> GuidedDecodingParams | None:
-    """response_format, or vLLM's guided_json / guided_regex / guided_choice."""
-    guided = {k: v for k, v in (("json", request.guided_json), ("regex", request.guided_regex),
-                                ("choice", request.guided_choice)) if v is not None}
+    """response_format, or vLLM's guided_json / guided_regex / guided_choice: one at most (two
+    are refused, naming both, never one silently taken over the other)."""
+    given = {name: getattr(request, name) for name in ("guided_json", "guided_regex",
+                                                       "guided_choice")}
     fmt = request.response_format or {"type": "text"}
     if fmt.get("type") == "json_object":
-        guided["json"] = {"type": "object"}
+        given["response_format"] = {"type": "object"}
     elif fmt.get("type") == "json_schema":
         spec = fmt.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
+        given["response_format"] = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(given["response_format"], dict):
             raise APIError(400, "response_format json_schema needs json_schema.schema, an object",
                            "response_format")
-        guided["json"] = schema
     elif fmt.get("type") != "text":
         raise APIError(400, f"response_format type {fmt.get('type')!r} is not one of text, "
                             "json_object, json_schema", "response_format")
-    if len(guided) > 1:
-        raise APIError(400, f"one constraint at most, got {sorted(guided)}", "response_format")
-    return GuidedDecodingParams(**guided) if guided else None
+    given = {name: value for name, value in given.items() if value is not None}
+    if len(given) > 1:
+        raise APIError(400, f"one constraint at most: {' and '.join(given)} were both given",
+                       next(iter(given)))
+    kinds = {"guided_regex": "regex", "guided_choice": "choice"}   # (the others: JSON)
+    if not given:
+        return None
+    (name, value), = given.items()
+    return GuidedDecodingParams(**{kinds.get(name, "json"): value})
 
 
 def field_names(request, chat: bool) -> dict[str, str]:

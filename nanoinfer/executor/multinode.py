@@ -36,26 +36,17 @@ from multiprocessing.connection import Connection, wait
 
 from nanoinfer.config import Config
 from nanoinfer.executor.message_queue import MessageQueue
+from nanoinfer.executor.multiproc_executor import start_worker
 from nanoinfer.executor.node_link import hang_up, join
-
-
-def read_node(conn: Connection, node: int, responses: MessageQueue, fail) -> None:
-    """The head's thread for a node: what it sends (the driver's outputs, if it is on that node)
-    into the engine's ring; `fail(why)` once the node is lost."""
-    try:
-        while True:
-            responses.enqueue(conn.recv(), check=lambda: None)
-    except Exception as e:
-        fail(f"node {node} was lost: {str(e) or 'it closed the link'}")
+from nanoinfer.utils import stop_processes
 
 
 def run_headless(config: Config) -> int:
     """A node other than the head: join it, start this node's ranks, pass them the head's calls,
     and return an exit status: 0 after the head's "shutdown", 1 when the head or a rank is lost."""
-    from nanoinfer.executor.multiproc_executor import start_worker, stop_processes
     conn, config = join(config, (config.master_addr, config.master_port + 1), config.node_rank,
                         "node")
-    ranks = node_ranks(config)
+    ranks = config.node_ranks
     calls = MessageQueue(num_readers=len(ranks))
     responses = MessageQueue(num_readers=1)   # (written if the driver is on this node)
     ctx = mp.get_context("spawn")
@@ -65,7 +56,7 @@ def run_headless(config: Config) -> int:
         for rank in ranks:
             workers.append(start_worker(ctx, config, rank, f"tcp://{config.master_addr}:"
                                         f"{config.master_port}", calls,
-                                        responses if rank == driver_rank(config) else None, errors))
+                                        responses if rank == config.driver_rank else None, errors))
         responses.as_reader(0)
         threading.Thread(target=send_outputs, args=(responses, conn), daemon=True).start()
         return relay_calls(conn, calls, workers, errors)
@@ -103,13 +94,3 @@ def send_outputs(responses: MessageQueue, conn: Connection) -> None:
     while True:
         conn.send(responses.dequeue(check=lambda: None))
 
-
-def node_ranks(config: Config) -> range:
-    """The ranks this node runs."""
-    per_node = config.world_size // config.nnodes
-    return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
-
-
-def driver_rank(config: Config) -> int:
-    """The rank that samples and sends the outputs: the last stage's first."""
-    return config.world_size - config.tensor_parallel_size

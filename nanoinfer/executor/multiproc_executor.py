@@ -44,7 +44,7 @@ import socket
 import threading
 import time
 import traceback
-from multiprocessing.connection import wait as wait_for_any
+from multiprocessing.connection import Connection, wait as wait_for_any
 
 import torch
 
@@ -53,9 +53,8 @@ from nanoinfer.config import Config
 from nanoinfer.core.messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from nanoinfer.worker.model_runner import ModelRunner
 from nanoinfer.executor.message_queue import MessageQueue
-from nanoinfer.executor.multinode import driver_rank, node_ranks, read_node
 from nanoinfer.executor.node_link import accept, hang_up
-from nanoinfer.utils import engine_num_threads, require
+from nanoinfer.utils import child_process, engine_num_threads, require, stop_processes
 
 
 class WorkerDiedError(RuntimeError):
@@ -75,7 +74,7 @@ class MultiprocExecutor:
         self.links = (accept(config, (config.master_addr, config.master_port + 1), "node",
                              range(1, config.nnodes)) if config.nnodes > 1 else [])
         ctx = mp.get_context("spawn")
-        ranks = node_ranks(config)
+        ranks = config.node_ranks
         self.queue = MessageQueue(num_readers=len(ranks))   # calls, to every rank of this node
         self.responses = MessageQueue(num_readers=1)   # the driver's outputs, to this process
         self.errors = ctx.SimpleQueue()   # a dying worker's (ValueError message or None, traceback)
@@ -89,7 +88,7 @@ class MultiprocExecutor:
         try:
             for rank in ranks:
                 self.workers.append(start_worker(ctx, config, rank, init_method, self.queue,
-                                                 self.responses if rank == driver_rank(config)
+                                                 self.responses if rank == config.driver_rank
                                                  else None, self.errors))
             self.responses.as_reader(0)
             threading.Thread(target=self.monitor_workers, daemon=True).start()
@@ -198,14 +197,14 @@ class FutureOutput:
         return self.executor.responses.dequeue(self.executor.check_health)
 
 
-def stop_processes(procs: list, timeout: float) -> None:
-    """Join each process for `timeout` seconds, then kill it (one never started is skipped)."""
-    for proc in procs:
-        if proc.pid is not None:
-            proc.join(timeout)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+def read_node(conn: Connection, node: int, responses: MessageQueue, fail) -> None:
+    """The head's thread for a node: what it sends (the driver's outputs, if it is on that node)
+    into the engine's ring; `fail(why)` once the node is lost."""
+    try:
+        while True:
+            responses.enqueue(conn.recv(), check=lambda: None)
+    except Exception as e:
+        fail(f"node {node} was lost: {str(e) or 'it closed the link'}")
 
 
 def start_worker(ctx, config: Config, rank: int, init_method: str, calls: MessageQueue,
@@ -216,23 +215,20 @@ def start_worker(ctx, config: Config, rank: int, init_method: str, calls: Messag
     return worker
 
 
+@child_process   # (Ctrl-C is the engine's; the engine removes the shared memory)
 def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue,
                 responses: MessageQueue | None, errors) -> None:
     """A worker's life: join the group, build the model shard, then run calls until "shutdown"."""
-    # Ctrl-C and SIGTERM are the engine's to handle (a worker leaves when its engine does).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    calls.as_reader(rank - node_ranks(config).start)   # (its node's ring)
+    calls.as_reader(rank - config.node_ranks.start)   # (its node's ring)
     try:
         distributed.init_distributed(rank, config.world_size, init_method,
                                      "nccl" if config.device == "cuda" else "gloo",
                                      config.tensor_parallel_size)
         if "OMP_NUM_THREADS" not in os.environ:   # (set by the user, or by a server for its cores)
-            torch.set_num_threads(engine_num_threads(config.device, len(node_ranks(config))))
+            torch.set_num_threads(engine_num_threads(config.device, len(config.node_ranks)))
         runner = ModelRunner(config)
         outputs = queue.SimpleQueue()   # the driver: launched steps' outputs, for the sender thread
-        driver = rank == driver_rank(config)
+        driver = rank == config.driver_rank
         if driver:
             responses.enqueue(runner.num_kvcache_blocks, check=lambda: None)
             threading.Thread(target=send_outputs, args=(outputs, responses, errors, rank),
@@ -255,7 +251,6 @@ def worker_main(config: Config, rank: int, init_method: str, calls: MessageQueue
             torch.cuda.synchronize(runner.device)
     except BaseException as e:
         report(errors, rank, e)
-    os._exit(0)   # the engine removes the shared memory: nothing to tear down here
 
 
 def send_outputs(outputs: queue.SimpleQueue, responses: MessageQueue, errors, rank: int) -> None:
@@ -275,12 +270,6 @@ def report(errors, rank: int, error: BaseException) -> None:
                     f"rank {rank}: {traceback.format_exc()[-4000:]}"))
     finally:
         os._exit(1)
-
-
-def exit_with_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    os._exit(1)   # the engine's process is gone: nobody will send another step
 
 
 def free_port() -> int:

@@ -3,8 +3,8 @@ authenticated before anything is unpickled, to nodes that run what the head runs
 
 Two kinds of node use them (`python -m nanoinfer.serve ... --headless`): a node of a model's
 pipeline stages (multinode.py), whose process passes the head's calls to its ranks, and a node of
-data-parallel engine cores (`run_headless_cores`), each core's link carrying what a local core's
-socket pair carries (engine/core_client.py).
+data-parallel engine cores (`run_headless_cores`, engine/core_client.py), each core's link
+carrying what a local core's socket pair carries.
 
 Trust. A link is made only after both ends proved they hold the secret in NANOINFER_CLUSTER_KEY:
 each sends a random challenge and checks the other's HMAC-SHA256 of it (with its role, so that a
@@ -22,6 +22,7 @@ head fails what depended on that node, and a node stops. A peer whose machine an
 process hangs is not seen this way. At start-up each side waits for the other up to
 NANOINFER_NODE_START_TIMEOUT seconds (600 by default), and says what it waits for.
 """
+import collections
 import contextlib
 import dataclasses
 import hmac
@@ -110,10 +111,12 @@ def fingerprint(config: Config) -> dict:
 
 def accept(config: Config, address: tuple[str, int], what: str, ranks: range) -> list:
     """The head: a connection from each of `ranks` (of nodes, or of data-parallel cores: `what`),
-    in order, each authenticated and checked. Anything else is refused, logged, and waited past."""
+    in order, each authenticated and checked. Anything else is refused, logged, and waited past;
+    if not all join in time, the error names the last refusals and their reasons."""
     cluster_key()   # (set, before any wait)
     mine = fingerprint(config)
     joined: dict[int, Connection] = {}
+    refused = collections.deque(maxlen=3)   # (the last refusals, for the error)
     deadline = time.monotonic() + start_timeout()
     with socket.create_server(address) as server, contextlib.ExitStack() as unless_all_join:
         logger.warning("waiting for %ss %s at %s:%d", what, list(ranks), *address)
@@ -123,13 +126,15 @@ def accept(config: Config, address: tuple[str, int], what: str, ranks: range) ->
                 sock, peer = server.accept()
             except TimeoutError:
                 raise RuntimeError(f"{what}s {sorted(set(ranks) - set(joined))} did not join in "
-                                   f"{start_timeout():g} s (`serve ... --headless`)") from None
+                                   f"{start_timeout():g} s (`serve ... --headless`)"
+                                   + "".join(f"; {why}" for why in refused)) from None
             try:
                 rank, conn = admit(sock, config, mine, ranks, joined)
                 joined[rank] = unless_all_join.enter_context(conn)   # (closed on an error)
             except Exception as e:   # (a wrong key, a stray client, a silent one, another model)
                 sock.close()
-                logger.warning("refused a connection from %s:%d: %s", *peer[:2], e)
+                refused.append(f"{what} from {peer[0]}:{peer[1]} refused: {e}")
+                logger.warning(refused[-1])
         for conn in joined.values():   # (all at once: every node's ranks start together)
             conn.send(config)
         unless_all_join.pop_all()
@@ -179,20 +184,3 @@ def join(config: Config, address: tuple[str, int], rank: int, what: str) -> tupl
     return conn, dataclasses.replace(reply, model=config.model, node_rank=config.node_rank,
                                      master_addr=config.master_addr)
 
-
-
-# Data-parallel engine cores on another node.
-
-def run_headless_cores(config: Config, address: tuple[str, int], ranks: range) -> int:
-    """A node of data-parallel cores `ranks` for the head's front end: each core joins the head,
-    then runs as a local one does, over its link. Returns once they have all exited."""
-    from nanoinfer.engine.core_client import start_cores
-    from nanoinfer.executor.multiproc_executor import stop_processes
-    joined = [join(config, address, rank, "data-parallel core") for rank in ranks]
-    procs = start_cores(joined[0][1], len(ranks), [conn for conn, _ in joined])[1]
-    try:
-        for proc in procs:
-            proc.join()
-    finally:
-        stop_processes(procs, 0)
-    return int(any(proc.exitcode for proc in procs))

@@ -3,7 +3,8 @@
 Logits row r takes its mask from row `rows[r]` of the device's mask table (explained in
 structured_output/__init__.py); in a mask, token t is bit t % 32 of int32 word t // 32. One program
 takes `BLOCK` tokens of one logits row, reads their words and writes -inf where the bit is clear;
-allowed logits are untouched. On the CPU the same in torch, which is also the kernel's test oracle.
+allowed logits are untouched. On the CPU the same is done in torch (`apply_token_bitmask` in
+layers/sampler.py, which calls this kernel on a GPU): that is also the kernel's test oracle.
 """
 import torch
 import triton
@@ -22,22 +23,10 @@ def apply_bitmask_kernel(logits_ptr, masks_ptr, rows_ptr, vocab_size, logits_str
     tl.store(logits_ptr + row * logits_stride + offs, float("-inf"), mask=inside & blocked)
 
 
-def apply_token_bitmask_torch(logits: torch.Tensor, masks: torch.Tensor,
-                              rows: torch.Tensor) -> None:
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    bits = (masks[rows.long()].unsqueeze(-1) >> shifts) & 1   # [rows, words, 32]
-    logits.masked_fill_(bits.flatten(1)[:, :logits.shape[1]] == 0, float("-inf"))
-
-
 def apply_token_bitmask_triton(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor,
                                block: int = 4096) -> None:
+    """logits: [n, vocab] on a GPU; masks: int32 [table rows, ceil(vocab / 32)]; rows: int32 [n]."""
     grid = (logits.shape[0], triton.cdiv(logits.shape[1], block))
     apply_bitmask_kernel[grid](logits, masks, rows, logits.shape[1], logits.stride(0),
                                masks.stride(0), BLOCK=block)
 
-
-def apply_token_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor) -> None:
-    """logits: [n, vocab]; masks: int32 [table rows, ceil(vocab / 32)]; rows: int32 [n], each
-    logits row's mask."""
-    apply = apply_token_bitmask_triton if logits.is_cuda else apply_token_bitmask_torch
-    apply(logits, masks, rows)

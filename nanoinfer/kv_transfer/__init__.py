@@ -20,83 +20,27 @@ A block is named by its prefix hash (`Sequence.block_hashes`: equal hashes, equa
 prefixes), so a consumer finds the KV of any prefix the producer computed, whoever asked for it.
 `kv_role` says which sides act: "kv_producer" saves, "kv_consumer" loads, "kv_both" does both.
 
-Two connectors: SharedStorageConnector (shared_storage.py: files in a folder) and P2pConnector
-(p2p.py: a prefill engine sends straight to a decode engine over torch.distributed). An engine
-of one rank has one connector object for both sides; with several ranks, every worker has its
-own and the engine core one more for the scheduler's side. A producer saves off the step loop
-(saver.py): a thread writes or sends a step's blocks while the next step runs, and the step's
-output is reported once they are saved, so a request the producer has answered finds its blocks.
+The connector here is SharedStorageConnector (shared_storage.py: files in a folder both engines
+can read); what a point-to-point one (vLLM's P2pNcclConnector) would add, and where it would plug
+in: docs/ARCHITECTURE.md section 14. An engine of one rank has one connector object for both
+sides; with several ranks, every worker has its own and the engine core one more for the
+scheduler's side. A producer saves off the step loop (saver.py): a thread writes a step's blocks
+while the next step runs, and the step's output is reported once they are saved, so a request the
+producer has answered finds its blocks.
 
-Bytes are only meaningful to an engine that would have computed the same ones: the same model
-(weights and all, so a fine-tune does not read its base model's blocks), dtype, block size, KV
-layers (EAGLE's draft layer is one more), KV heads, head size and ranks. `kv_layout` writes all
-of that down; shared storage keeps each layout's blocks in a folder of its own, and the two ends
-of a point-to-point link compare theirs before the first block.
+Bytes are only meaningful to an engine that would have computed the same ones (layout.py says
+which engines those are); shared storage keeps each layout's blocks in a folder of its own.
 
-What each connector promises under faults (an idle link, a peer gone, a full disk, a mismatch):
+What the connector promises under faults (a full disk, a file cut short, another model's blocks):
 docs/ARCHITECTURE.md section 14.
 """
-import glob
-import json
-import os
-
-import xxhash
-
-from nanoinfer.config import Config, head_dim
+from nanoinfer.config import Config
+from nanoinfer.kv_transfer.shared_storage import SharedStorageConnector
 
 
-def make_kv_connector(config: Config, rank: int | None = 0):
+def make_kv_connector(config: Config, rank: int | None = 0) -> SharedStorageConnector | None:
     """The configured connector (None if none is); `rank` is the worker's, in the world (None:
     the engine core's, for the scheduler's side only, beside workers of their own)."""
     if config.kv_transfer is None:
         return None
-    if config.kv_transfer.kv_connector == "P2pConnector":
-        from nanoinfer.kv_transfer.p2p import P2pConnector
-        return P2pConnector(config, rank)
-    from nanoinfer.kv_transfer.shared_storage import SharedStorageConnector
     return SharedStorageConnector(config, rank)
-
-
-def kv_layout(config: Config) -> dict:
-    """What a block's bytes are: the model, its dtype and the KV cache's shape and ranks."""
-    hf = config.hf_config
-    eagle = config.num_lookahead_tokens > 0   # (EAGLE's draft layer is one more KV layer)
-    return {"model": model_fingerprint(config.model, config.load_format, config.seed),
-            "draft_model": model_fingerprint(config.speculative.model) if eagle else None,
-            "dtype": str(config.torch_dtype), "block_size": config.block_size,
-            "num_layers": hf.num_hidden_layers + eagle, "num_kv_heads": hf.num_key_value_heads,
-            "head_dim": head_dim(hf), "tensor_parallel_size": config.tensor_parallel_size,
-            "pipeline_parallel_size": config.pipeline_parallel_size}
-
-
-def model_fingerprint(path: str, load_format: str = "auto", seed: int = 0) -> str:
-    """A hash of a model folder's config.json and weights: each file's header (the tensors'
-    names, shapes and offsets) and three 4 KiB samples of every tensor's data (fine-tuning
-    changes every element of a tensor it trains), so it costs milliseconds even for a large
-    model. Random weights are named by their seed."""
-    digest = xxhash.xxh64()
-    with open(os.path.join(path, "config.json"), "rb") as f:
-        digest.update(f.read())
-    if load_format == "dummy":
-        digest.update(f"dummy weights, seed {seed}".encode())
-        return digest.hexdigest()
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = f.read(size)
-            digest.update(header)
-            for name, tensor in sorted(json.loads(header).items()):
-                start, end = tensor["data_offsets"] if name != "__metadata__" else (0, 0)
-                for at in (start, (start + end) // 2, end - 4096):
-                    f.seek(8 + size + max(start, at))
-                    digest.update(f.read(min(4096, end - start)))
-    return digest.hexdigest()
-
-
-def layout_id(layout: dict) -> str:
-    return xxhash.xxh64_hexdigest(json.dumps(layout, sort_keys=True).encode())
-
-
-def layout_differences(ours: dict, theirs: dict) -> str:
-    return "; ".join(f"{key}: ours {ours.get(key)!r}, theirs {theirs.get(key)!r}"
-                     for key in sorted(set(ours) | set(theirs)) if ours.get(key) != theirs.get(key))

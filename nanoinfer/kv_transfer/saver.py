@@ -1,15 +1,16 @@
-"""Saving off the step loop: a producer's blocks are written (or sent) by a thread of their own.
+"""Saving off the step loop: a producer's blocks are written by a thread of their own.
 
 In the step, `put` only queues a copy of the step's blocks, made on the device behind the step's
 forward (no wait for the GPU); the thread waits for that copy and hands it to the connector's
-`write` (a file per block, or a send to the peer). The next step is scheduled and launched
-meanwhile. The copies queued at once are bounded (`max_bytes`): a disk or a peer slower than the
-steps holds the step loop back only when that much is waiting (back-pressure, nothing dropped).
+`write` (a file per block; a point-to-point connector would send them to its peer). The next
+step is scheduled and launched meanwhile. The copies queued at once are bounded (`max_bytes`): a
+disk slower than the steps holds the step loop back only when that much is waiting
+(back-pressure, nothing dropped).
 
 `put` returns a ticket; the step's output waits for it (`wait`) before it is reported, so a
 request the producer has answered has its blocks saved: the consumer it is handed to finds them.
 `write` handles its own failures; one that raises anyway is logged, never the step's problem.
-On a GPU the thread copies and sends on a CUDA stream of its own, so that its work never waits
+On a GPU the thread copies and writes on a CUDA stream of its own, so that its work never waits
 for the engine's next step, nor the engine's kernels for it.
 """
 import logging
@@ -67,7 +68,7 @@ class KVSaver:
                     copied.synchronize()
                 with torch.cuda.stream(stream):
                     self.write(hashes, kv)
-                if stream is not None:   # (saved means written or sent, not just queued)
+                if stream is not None:   # (saved means written, not just queued)
                     stream.synchronize()
             except Exception:
                 logger.exception("saving %d KV blocks failed", len(hashes))

@@ -1,6 +1,6 @@
 """The shared-storage connector: KV blocks as files in a folder both engines can read.
 
-Blocks live in a folder per KV layout (kv_transfer/__init__.py): `{path}/{layout id}/`, with a
+Blocks live in a folder per KV layout (layout.py): `{path}/{layout id}/`, with a
 `layout.json` saying what that is, so engines of different models (a base model and its
 fine-tune, say), dtypes, block sizes or ranks can share a path and never read each other's bytes.
 Each full prompt block the producer computes is written by every rank as one safetensors file,
@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nanoinfer.config import Config
-from nanoinfer.kv_transfer import kv_layout, layout_id
+from nanoinfer.kv_transfer.layout import kv_layout, layout_id
 from nanoinfer.kv_transfer.saver import KVSaver
 
 logger = logging.getLogger("nanoinfer")
@@ -73,9 +73,6 @@ class SharedStorageConnector:
                 json.dump(layout, f, indent=1)
         except OSError as e:
             self.failed(e)
-
-    def register_kv_caches(self, kv_cache) -> None:
-        """Nothing to do: files are read and written whole."""
 
     # the scheduler's side
 

@@ -10,21 +10,23 @@ Every parameter carries a `weight_loader(param, loaded_weight[, shard_id])` so t
 loader never needs to know how a layer is split; `loaded_weight` may be a lazy safetensors
 slice, so a rank reads only its own part of the checkpoint.
 
-The forward is `linear` (kernels/gemv.py): torch's matmul, except for the few rows of a decode
-step in half precision on a GPU, which go to a kernel of our own (faster at those shapes).
+The forward is `linear`: torch's matmul, except on a GPU, where kernels/gemv.py takes the few
+rows of a decode step in half precision (a kernel of our own, faster at those shapes). Sizes that
+do not split over the ranks never get here: `Config.check_model_parallel` refuses them first.
 """
 import torch
 from torch import nn
 
 from nanoinfer.distributed import get_tp_group, get_tp_size
 from nanoinfer.utils import require
-from nanoinfer.kernels.gemv import linear
 
 
-def divide(numerator: int, denominator: int, what: str) -> int:
-    require(numerator % denominator == 0, f"{what} ({numerator}) is not divisible by "
-            f"tensor_parallel_size={denominator}")
-    return numerator // denominator
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    if x.is_cuda:   # (Triton is imported on a GPU only: the CPU path runs without it)
+        from nanoinfer.kernels.gemv import linear as gpu_linear
+        return gpu_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 class LinearBase(nn.Module):
@@ -70,7 +72,7 @@ def set_shard_ids(layer: nn.Module, shard_ids: tuple) -> None:
 class ColumnParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, divide(output_size, get_tp_size(), "output size"), bias)
+        super().__init__(input_size, output_size // get_tp_size(), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight) -> None:
         """Copy this rank's slice of a checkpoint tensor into `param`: of the weight [output_size,
@@ -111,7 +113,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False):
         tp_size = get_tp_size()
-        self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
+        self.num_heads = total_num_heads // tp_size
         # (Config.check_model_parallel: one of the KV heads and the ranks divides the other)
         self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
         self.kv_replicas = max(1, tp_size // total_num_kv_heads)
@@ -145,7 +147,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(divide(input_size, get_tp_size(), "input size"), output_size, bias)
+        super().__init__(input_size // get_tp_size(), output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight) -> None:
         """Copy this rank's slice of a checkpoint tensor into `param`: of the weight [output_size,

@@ -17,8 +17,9 @@ The draw uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks t
 probability p_i. Taken in log space, argmax(logits / T - log E), it needs no softmax, sort or
 cumulative sum. Every row brings its own random seed (a seeded request's is derived from its
 seed and the token's index, so its output does not depend on which other requests share the
-batch). On a GPU the draw is one fused Triton kernel (`kernels/sampling.py`); on the CPU it is
-the same race in torch, one generator per row.
+batch). On a GPU the draw is one fused Triton kernel (`kernels/sampling.py`), and the grammar's
+mask another (`kernels/bitmask.py`); on the CPU they are the same in torch, here (the kernels'
+test oracles), and Triton is never imported.
 
 Nothing here waits for the GPU: masks and penalties come as device tensors.
 """
@@ -27,8 +28,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanoinfer.kernels.bitmask import apply_token_bitmask
-from nanoinfer.kernels.sampling import gumbel_max_sample
 
 
 @dataclass
@@ -170,6 +169,18 @@ def exponential_race(logits: torch.Tensor, temperatures: torch.Tensor,
     return torch.where(temperatures > 0, sampled, logits.argmax(dim=-1))
 
 
+def apply_token_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor) -> None:
+    """logits: [n, vocab]; masks: int32 [table rows, ceil(vocab / 32)]; rows: int32 [n], each
+    logits row's mask: token t is allowed if bit t % 32 of word t // 32 is set; the others get
+    -inf, in place."""
+    if logits.is_cuda:
+        from nanoinfer.kernels.bitmask import apply_token_bitmask_triton
+        return apply_token_bitmask_triton(logits, masks, rows)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (masks[rows.long()].unsqueeze(-1) >> shifts) & 1   # [rows, words, 32]
+    logits.masked_fill_(bits.flatten(1)[:, :logits.shape[1]] == 0, float("-inf"))
+
+
 class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
@@ -201,5 +212,7 @@ class Sampler(nn.Module):
             logits = apply_top_k_top_p_min_p(logits / torch.where(temps > 0, temps, 1.0)[:, None],
                                              meta.top_ks, meta.top_ps, meta.min_ps)
             temps = (temps > 0).float()   # already applied
-        draw = gumbel_max_sample if logits.is_cuda else exponential_race
-        return draw(logits, temps, meta.seeds)
+        if not logits.is_cuda:
+            return exponential_race(logits, temps, meta.seeds)
+        from nanoinfer.kernels.sampling import gumbel_max_sample
+        return gumbel_max_sample(logits, temps, meta.seeds)

@@ -30,6 +30,7 @@ from nanoinfer.attention import AttentionMetadata, set_forward_context
 from nanoinfer.config import head_dim
 from nanoinfer.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from nanoinfer.models.loader import load_model
+from nanoinfer.utils import require
 
 
 class EagleModel(nn.Module):
@@ -57,11 +58,13 @@ class EagleProposer:
     def __init__(self, path: str, k: int, target: nn.Module, target_config, max_model_len: int,
                  block_size: int, tp_group):
         config = AutoConfig.from_pretrained(path)
-        shape, target_shape = ((c.hidden_size, c.num_key_value_heads, head_dim(c))
-                               for c in (config, target_config))
-        if shape != target_shape:
-            raise ValueError(f"the EAGLE head in {path!r} has (hidden_size, num_key_value_heads, "
-                             f"head_dim) = {shape}, the model {target_shape}: they must be equal")
+        shape, target_shape = ((c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                                head_dim(c)) for c in (config, target_config))
+        require(shape == target_shape, f"the EAGLE head in {path!r} has (hidden_size, num_attention"
+                f"_heads, num_key_value_heads, head_dim) = {shape}, the model {target_shape}: "
+                "they must be equal")
+        require(config.intermediate_size % tp_group.world_size == 0, f"tensor_parallel_size="
+                f"{tp_group.world_size} does not divide the EAGLE head's intermediate_size")
         self.k = k
         self.target = target
         self.max_model_len = max_model_len

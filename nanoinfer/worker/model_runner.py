@@ -93,9 +93,6 @@ class ModelRunner:
             self.graph_runner = CUDAGraphRunner(self.model, config, self.device,
                                                 self.pp_group.is_first, self.pp_group.is_last)
             self.input_batch.max_flat_rows = self.graph_runner.batch_sizes[-1]
-        # A KV connector's consumer receives from now on (not while graphs are captured).
-        if self.kv_connector is not None:
-            self.kv_connector.register_kv_caches(self.kv_cache)
 
     def load_model(self) -> tuple[torch.nn.Module, object]:
         """The model, built on the device in its dtype, with its weights; and the drafter."""
