@@ -740,6 +740,8 @@ def main():
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--event-log", default=None, metavar="PATH",
+                        help="record the engine core's event log there (its cost: against a run without)")
     parser.add_argument("--no-async-scheduling", action="store_true", help="wait for each step's tokens")
     parser.add_argument("--runs", type=int, default=None, help="timed runs of the workload (default: 3 on a GPU)")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
@@ -783,7 +785,7 @@ def main():
     kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
                   tensor_parallel_size=args.tp, speculative_config=args.speculative_config,
-                  max_model_len=args.max_input_len + args.max_output_len)
+                  max_model_len=args.max_input_len + args.max_output_len, event_log=args.event_log)
     model = args.model
     if model is None:
         model = tempfile.mkdtemp(prefix="nanoinfer-bench-")

@@ -80,6 +80,12 @@ MECHANISMS = {
          "core/scheduler_hooks.py:SchedulerHooks.save_external",
          "worker/model_runner.py:ModelRunner.load_kv",
          "worker/model_runner.py:ModelRunner.save_kv"]),
+    "15. The event log (the view's part inside the engine; view/ is beside it)": (
+        ["engine/event_log.py"],
+        ["engine/core.py:EngineCore.watch",
+         "engine/async_llm.py:AsyncLLM.watch",
+         "engine/async_llm.py:AsyncLLM.stop_watching",
+         "entrypoints/openai_server.py:create_app.engine_events"]),
     "Prompt logprobs": (
         [],
         ["core/scheduler_hooks.py:SchedulerHooks.computed_blocks",

@@ -47,6 +47,7 @@ class Config:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None       # None: a free port (one node only)
+    event_log: str | None = None         # a file for the core's event log (engine/event_log.py)
     speculative: "SpeculativeConfig | None" = field(init=False, default=None)
     kv_transfer: "KVTransferConfig | None" = field(init=False, default=None)
     hf_config: PretrainedConfig = field(init=False, repr=False)

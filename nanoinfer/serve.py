@@ -25,32 +25,30 @@ from nanoinfer.config import Config
 from nanoinfer.utils import exit_now
 
 
+# The server's own flags: (flag, type, default, help). Every setting of Config is one too.
+SERVER_FLAGS = [
+    ("--model", str, None, "a Hugging Face model folder (default: SmolLM2)"),
+    ("--served-model-name", str, None, "the name clients use (default: --model)"),
+    ("--host", str, "127.0.0.1", "the address to listen at"),
+    ("--port", int, 8000, None),
+    ("--api-key", str, None, "require 'Authorization: Bearer KEY' on /v1 routes"),
+    ("--data-parallel-size", int, 1, "engine-core processes"),
+    ("--data-parallel-size-local", int, None, "of them on this node (default: all)"),
+    ("--data-parallel-start-rank", int, 0, "a headless node's first core"),
+    ("--data-parallel-address", str, "127.0.0.1", "the head's, where other nodes' cores join"),
+    ("--data-parallel-rpc-port", int, None, "... and its port"),
+    ("--max-request-bytes", int, 4 * 2**20, "larger bodies: a 413"),
+    ("--shutdown-timeout", float, 5.0, "seconds the requests in flight get to finish on SIGTERM"),
+]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m nanoinfer.serve",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None,
-                        help="a Hugging Face model folder (default: SmolLM2)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the name clients use (default: --model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes")
-    parser.add_argument("--data-parallel-size", type=int, default=1, help="engine-core processes")
+    for flag, kind, default, text in SERVER_FLAGS:
+        parser.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument("--headless", action="store_true",
                         help="this node's ranks (--nnodes) or cores only, for another's front end")
-    parser.add_argument("--data-parallel-size-local", type=int, default=None,
-                        help="of them on this node (default: all)")
-    parser.add_argument("--data-parallel-start-rank", type=int, default=0,
-                        help="a headless node's first core")
-    parser.add_argument("--data-parallel-address", default="127.0.0.1",
-                        help="the head's address, where cores on other nodes join it")
-    parser.add_argument("--data-parallel-rpc-port", type=int, default=None,
-                        help="... and its port")
-    parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
-                        help="larger bodies: a 413")
-    parser.add_argument("--shutdown-timeout", type=float, default=5.0,
-                        help="seconds the requests in flight get to finish on SIGTERM")
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         kind = (typing.get_args(hints[f.name]) or [hints[f.name]])[0]

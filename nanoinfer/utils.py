@@ -7,7 +7,8 @@ import signal
 import sys
 import threading
 import time
-import traceback
+
+import torch
 
 
 def cdiv(a: int, b: int) -> int:
@@ -48,6 +49,16 @@ def engine_num_threads(device: str, num_procs: int) -> int:
     return max(1, (cores - 1) // num_procs)
 
 
+
+def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
+    """Each core's CUDA_VISIBLE_DEVICES: core r takes the r-th `ranks_per_core` visible GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    n = ranks_per_core
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    require(len(gpus) >= data_parallel_size * n, f"data_parallel_size={data_parallel_size} x {n} "
+            f"ranks per core needs {data_parallel_size * n} GPUs, {len(gpus)} are visible")
+    return [",".join(gpus[r * n:(r + 1) * n]) for r in range(data_parallel_size)]
+
 def stop_processes(procs: list, timeout: float) -> None:
     """Join each process for `timeout` seconds, then kill it (one never started is skipped)."""
     for proc in procs:
@@ -68,18 +79,14 @@ def child_process(main):
     """A process the engine starts (an engine core, a worker rank) runs `main` this way: Ctrl-C
     and SIGTERM are its parent's to handle (a service manager sends them to the whole group, and
     the parent stops its children itself), it exits when its parent is gone, and it ends with
-    `exit_now`. `main` reports its own errors; one that escapes is printed, and the status is 1."""
+    `exit_now` once `main` returns (`main` reports its own errors)."""
     @functools.wraps(main)
     def run(*args) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
-        status = 1
-        try:
-            status = main(*args) or 0
-        except BaseException:
-            traceback.print_exc()
-        exit_now(status)
+        main(*args)
+        exit_now(0)
     return run
 
 

@@ -9,7 +9,7 @@ from conftest import random_prompts
 
 from nanoinfer import LLM, RequestOutputKind, SamplingParams
 from nanoinfer.engine.async_llm import AsyncLLM
-from nanoinfer.engine.core_client import core_gpus
+from nanoinfer.utils import core_gpus
 from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.engine.output_processor import RequestState
 

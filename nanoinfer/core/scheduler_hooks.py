@@ -171,6 +171,3 @@ class SchedulerHooks:
         self.guided.discard(seq.seq_id)
         if self.ngram is not None:
             self.ngram.remove(seq.seq_id)
-        # The connector may hold blocks of the request.
-        if self.kv_connector is not None:
-            self.kv_connector.request_finished(seq.block_hashes)

@@ -20,6 +20,7 @@ Leaving the `async for` early (the client disconnected: the task is cancelled) a
 request, which frees its blocks in the core at once.
 """
 import asyncio
+import json
 import logging
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +38,8 @@ from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger("nanoinfer")
 # A text of more characters than this is tokenized off the event loop.
 LONG_TEXT = 20_000
+# A live viewer this many records behind is let go (it connects again, for a new snapshot).
+VIEWER_BACKLOG = 50_000
 
 
 class RequestStream:
@@ -100,6 +103,8 @@ class AsyncLLM(FrontEnd):
         # a server's metrics: stat_logger(core rank, IterationStats), after each step's outputs,
         # and for each aborted request (finished alone)
         self.stat_logger: Callable | None = None
+        # each core's live viewer of its event log (the view's own server: `watch`)
+        self.viewers: dict[int, asyncio.Queue] = {}
         self.client = EngineCoreClient(self.config, self.on_message, data_parallel_size,
                                        data_parallel_size_local, data_parallel_address)
         weakref.finalize(self, self.client.shutdown)
@@ -141,9 +146,32 @@ class AsyncLLM(FrontEnd):
         self.forget(request_id)
 
     def abort_all(self) -> None:
-        """Abort every request still streaming (a server's shutdown timeout has passed)."""
+        """Abort every request still streaming, and end the viewers' streams (a server's shutdown
+        timeout has passed)."""
         for request_id in list(self.streams):
             self.abort(request_id)
+        for rank in list(self.viewers):
+            self.stop_watching(rank)
+
+    async def watch(self, rank: int) -> AsyncIterator[str]:
+        """Core `rank`'s event log as it is made, as server-sent events: a header and a snapshot,
+        then every record (engine/event_log.py). One viewer a core: a new one ends the stream of
+        the one before (the view's own server shows one stream to many pages)."""
+        self.loop = asyncio.get_running_loop()
+        self.stop_watching(rank)
+        records = self.viewers[rank] = asyncio.Queue()
+        self.client.send(rank, ("view", True))
+        try:
+            while (record := await records.get()) is not None:
+                yield f"data: {record}\n\n"
+        finally:
+            if self.viewers.get(rank) is records:
+                self.stop_watching(rank)
+
+    def stop_watching(self, rank: int) -> None:
+        if (viewer := self.viewers.pop(rank, None)) is not None:
+            viewer.put_nowait(None)
+            self.client.send(rank, ("view", False))
 
     def forget(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
@@ -175,6 +203,12 @@ class AsyncLLM(FrontEnd):
             held = [r for r, owner in self.client.owner.items() if owner == rank]
             self.fail(held, self.errors[rank])
             return
+        viewer = self.viewers.get(rank)
+        if viewer is not None and viewer.qsize() >= VIEWER_BACKLOG:   # (it does not read: let go)
+            self.stop_watching(rank)
+        elif viewer is not None:   # (each record encoded once, here, off the core's step loop)
+            for record in message[3]:
+                viewer.put_nowait(json.dumps(record))
         seqs = self.output_processor.seqs
         touched = {seqs[o.seq_id][0].request_id for o in message[1] if o.seq_id in seqs}
         try:
@@ -187,7 +221,7 @@ class AsyncLLM(FrontEnd):
                     self.stat_logger(rank, stats)
             # A sequence that a stop string ended goes on in the core, which has not seen that.
             for seq_id, _ in stopped:
-                self.client.send(rank, ("abort", [seq_id]))
+                self.client.send(rank, ("stop", [seq_id]))
             for out in outputs:
                 if out.request_id in self.streams:
                     self.streams[out.request_id].put(out)

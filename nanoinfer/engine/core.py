@@ -37,6 +37,7 @@ from nanoinfer.core.block_manager import BlockManager
 from nanoinfer.core.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from nanoinfer.core.scheduler import Scheduler
 from nanoinfer.core.sequence import Sequence
+from nanoinfer.engine.event_log import EventLog
 from nanoinfer.executor.multiproc_executor import MultiprocExecutor
 from nanoinfer.kv_transfer import make_kv_connector
 from nanoinfer.structured_output import Grammar, StructuredOutputManager
@@ -93,6 +94,8 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(tokenizer, config.hf_config.vocab_size,
                                                          config.eos_token_ids)
         self.in_flight = StepsInFlight(self.scheduler, config)
+        # What the core does, written down (off by default; a server's live page turns it on).
+        self.event_log = EventLog(self.scheduler, config.event_log) if config.event_log else None
         # The last step's tokens (for progress bars), and counts since the start.
         self.num_prefill_tokens = self.num_decode_tokens = 0
         self.num_requests_added = self.num_aborted_seqs = 0
@@ -104,6 +107,8 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.num_requests_added += 1
+        if self.event_log is not None:
+            self.event_log.add(request)
         grammar = request.grammar
         compiled = None if grammar is None else self.structured_output.compile(grammar)
         for seq_id, params in zip(request.seq_ids, request.params):
@@ -114,11 +119,12 @@ class EngineCore:
                 seq.grammar = Grammar(compiled)
             self.scheduler.add(seq)
 
-    def abort_requests(self, seq_ids: list[int]) -> None:
-        """Finish these sequences at once and free their blocks; ids no longer live are ignored."""
+    def abort_requests(self, seq_ids: list[int], reason: str = "abort") -> None:
+        """Finish these sequences at once and free their blocks; ids no longer live are ignored.
+        `reason`: "abort", or "stop" for those a stop string ended (the front end found it)."""
         for seq_id in seq_ids:
             if seq_id in self.scheduler.requests:
-                self.scheduler.finish(self.scheduler.requests[seq_id], "abort")
+                self.scheduler.finish(self.scheduler.requests[seq_id], reason)
                 self.num_aborted_seqs += 1
 
     def has_unfinished(self) -> bool:
@@ -173,9 +179,16 @@ class EngineCore:
         self.scheduler.block_manager.reset_prefix_cache()
         self.model_executor.reset()
 
+    def watch(self, on: bool) -> None:
+        """A server's live viewer came (it gets a snapshot, then every record) or left; without
+        a file to write, the core records only meanwhile."""
+        self.event_log = (self.event_log or EventLog(self.scheduler)).watch(on)
+
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the tensor-parallel workers and free the model and its KV cache. Idempotent."""
         self.in_flight.clear()
+        if self.event_log is not None:
+            self.event_log.close()
         if self.model_executor is None:
             return
         if self.config.world_size > 1:

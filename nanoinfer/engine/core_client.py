@@ -6,27 +6,26 @@ schedules and runs the model, so none of that front-end work ever holds up the G
     front end (the server's process)                          engine core process (per DP rank)
     AsyncLLM.generate -> InputProcessor
         client.add_request: ("add", EngineCoreRequest)   ---->  EngineCore.add_request
-        client.abort:       ("abort", [seq ids])          ---->  EngineCore.abort_requests
+        client.abort:       ("abort" or "stop", [seq ids]) -->  EngineCore.abort_requests
+        AsyncLLM.watch:     ("view", on or off)          ---->  EngineCore.watch (event_log.py)
                                                                  loop: take what came, step()
-        output thread  <----  ("outputs", [EngineCoreOutput], SchedulerStats), every step
+        output thread <-- ("outputs", [EngineCoreOutput], SchedulerStats, [records]), every step
     OutputProcessor (detokenize, stop strings) -> each request's queue
 
-The channel is the standard library's `multiprocessing.connection` over a socket pair (a core on
-another node: over its link, executor/node_link.py): pickled Python objects, no extra package, and
-`wait()` watches every core's socket and process at once. A step's message is a few KB. (vLLM
-uses ZeroMQ and msgpack, for lower serialisation cost.) The core never waits while it has work:
-between steps it takes the messages that have come; idle, it blocks on them. Each core's messages
-go through a queue of its own and a writer thread: a core that stops reading (a step that hangs)
-holds up neither the event loop nor the other cores.
-
-Failures: a core's exception reaches the client as ("dead", traceback), and the core exits; a core
-killed outright is seen by its process handle or closed socket (what it left is read first).
-Either way its requests get an error, never silence. A core exits when the front end is gone.
-
-Data parallelism: N cores, each with its own GPUs (or the CPU). A new request goes to the core
-with the lowest 4 × waiting + running (as each last reported, plus what was sent to it since):
-the load balancer of vLLM's first version. A request's aborts go to the core that has it.
+The channel is `multiprocessing.connection` over a socket pair (a core on another node: over its
+link, executor/node_link.py): pickled Python objects, no extra package, and `wait()` watches
+every core's socket and process at once; a step's message is a few KB (vLLM uses ZeroMQ and
+msgpack, for lower serialisation cost). The core never waits while it has work: between steps it
+takes the messages that have come; idle, it blocks on them. Each core's messages go through a
+queue and a writer thread of its own: a core that stops reading (a step that hangs) holds up
+neither the event loop nor the other cores. A core's exception reaches the client as ("dead",
+traceback), and the core exits; one killed outright is seen by its process handle or closed
+socket (what it left is read first): its requests get an error, never silence. A core exits
+when the front end is gone. Data parallelism: N cores, each with its own GPUs (or the CPU); a
+new request goes to the core with the lowest 4 x waiting + running (as each last reported, plus
+what was sent to it since), vLLM's first load balancer; its aborts go to the core that has it.
 """
+import copy
 import logging
 import multiprocessing as mp
 import os
@@ -38,14 +37,13 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler
 
-import torch
-
 from nanoinfer.config import Config, check_int
 from nanoinfer.engine.core import EngineCore
 from nanoinfer.core.messages import EngineCoreRequest, SchedulerStats
 from nanoinfer.engine.exceptions import EngineDeadError
 from nanoinfer.executor.node_link import accept, join, start_timeout
-from nanoinfer.utils import child_process, engine_num_threads, require, stop_processes
+from nanoinfer.utils import (child_process, core_gpus, engine_num_threads, require,
+                             stop_processes)
 
 logger = logging.getLogger("nanoinfer")
 
@@ -58,8 +56,10 @@ def run_engine_core(config: Config, conn) -> None:
     def handle(kind, payload) -> bool:
         if kind == "add":
             core.add_request(payload)
-        elif kind == "abort":
-            core.abort_requests(payload)
+        elif kind in ("abort", "stop"):   # ("stop": a stop string the front end found)
+            core.abort_requests(payload, kind)
+        elif kind == "view":   # (a live viewer came, or left: engine/event_log.py)
+            core.watch(payload)
         return kind != "shutdown"
 
     try:
@@ -71,13 +71,14 @@ def run_engine_core(config: Config, conn) -> None:
             while conn.poll(0):
                 if not handle(*conn.recv()):
                     return
-            if core.has_unfinished():
-                conn.send(("outputs", core.step(), core.stats()))
-            # Idle: report, then wait for the next message.
-            else:
-                conn.send(("outputs", [], core.stats()))
-                if not handle(*conn.recv()):
-                    return
+            busy = core.has_unfinished()
+            outputs = core.step() if busy else []
+            # (and the event log's records since the last, for a live viewer)
+            records = core.event_log.take() if core.event_log is not None else []
+            conn.send(("outputs", outputs, core.stats(), records))
+            # Idle: wait for the next message.
+            if not busy and not handle(*conn.recv()):
+                return
     # The front end is gone.
     except (EOFError, BrokenPipeError):
         pass
@@ -89,16 +90,6 @@ def run_engine_core(config: Config, conn) -> None:
     finally:
         if core is not None:
             core.shutdown()
-
-
-def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
-    """Each core's CUDA_VISIBLE_DEVICES: core r takes the r-th `ranks_per_core` visible GPUs."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    n = ranks_per_core
-    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    require(len(gpus) >= data_parallel_size * n, f"data_parallel_size={data_parallel_size} x {n} "
-            f"ranks per core needs {data_parallel_size * n} GPUs, {len(gpus)} are visible")
-    return [",".join(gpus[r * n:(r + 1) * n]) for r in range(data_parallel_size)]
 
 
 def start_cores(config: Config, data_parallel_size: int, links: list | None = None) -> tuple:
@@ -117,7 +108,10 @@ def start_cores(config: Config, data_parallel_size: int, links: list | None = No
             if gpus is not None:   # (read as the child starts)
                 os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank]
             parent, child = ctx.Pipe() if links is None else (None, links[rank])
-            procs.append(ctx.Process(target=run_engine_core, args=(config, child),
+            core_config = copy.copy(config)   # (several cores: each its own event log)
+            if config.event_log and data_parallel_size > 1:
+                core_config.event_log = f"{config.event_log}.{rank}"
+            procs.append(ctx.Process(target=run_engine_core, args=(core_config, child),
                                      name=f"nanoinfer-core-{rank}"))
             procs[-1].start()
             child.close()

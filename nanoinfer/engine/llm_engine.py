@@ -79,7 +79,7 @@ class LLMEngine(FrontEnd):
         try:
             outputs, stopped = self.output_processor.process_outputs(self.engine_core.step())
             # the sequences a stop string ended: the core has not seen that
-            self.engine_core.abort_requests([seq_id for seq_id, _ in stopped])
+            self.engine_core.abort_requests([seq_id for seq_id, _ in stopped], "stop")
         except BaseException as e:
             # Ctrl-C drops every request and keeps the engine, unless it has worker processes (a
             # message to them may be cut in half: they are stopped). Anything else kills it.

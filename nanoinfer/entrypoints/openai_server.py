@@ -169,6 +169,13 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     async def prometheus():
         return Response(serving.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/engine/events")
+    async def engine_events(core: int = 0):
+        """Core `core`'s event log, live, for the view (python -m view --live URL)."""
+        if not 0 <= core < len(engine.client.conns):
+            raise APIError(404, f"there is no engine core {core}", "core")
+        return StreamingResponse(engine.watch(core), media_type="text/event-stream")
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [serving.card]}

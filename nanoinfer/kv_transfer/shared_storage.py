@@ -95,9 +95,6 @@ class SharedStorageConnector:
                     return n
         return len(block_hashes)
 
-    def request_finished(self, block_hashes: list[int]) -> None:
-        """Nothing to do: the files stay for the next engine."""
-
     # the worker's side
 
     def load_kv(self, blocks: list[tuple[int, int]], kv_cache: torch.Tensor) -> int:

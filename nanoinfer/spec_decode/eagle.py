@@ -58,13 +58,13 @@ class EagleProposer:
     def __init__(self, path: str, k: int, target: nn.Module, target_config, max_model_len: int,
                  block_size: int, tp_group):
         config = AutoConfig.from_pretrained(path)
+        # (heads as the target's, and an MLP that splits over the ranks as the target's does)
         shape, target_shape = ((c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                                head_dim(c)) for c in (config, target_config))
-        require(shape == target_shape, f"the EAGLE head in {path!r} has (hidden_size, num_attention"
-                f"_heads, num_key_value_heads, head_dim) = {shape}, the model {target_shape}: "
-                "they must be equal")
-        require(config.intermediate_size % tp_group.world_size == 0, f"tensor_parallel_size="
-                f"{tp_group.world_size} does not divide the EAGLE head's intermediate_size")
+                                head_dim(c), c.intermediate_size % tp_group.world_size)
+                               for c in (config, target_config))
+        require(shape == target_shape, f"the EAGLE head in {path!r} has (hidden_size, heads, "
+                f"KV heads, head_dim, intermediate_size % tensor_parallel_size) = {shape}, the "
+                f"model {target_shape}: they must be equal")
         self.k = k
         self.target = target
         self.max_model_len = max_model_len
