@@ -11,6 +11,7 @@ Ctrl-C) it stops accepting, gives the requests in flight `--shutdown-timeout` se
 aborts the rest, stops its engine cores and exits with status 0.
 """
 import argparse
+import asyncio
 import dataclasses
 import json
 import os
@@ -113,12 +114,9 @@ class Server(uvicorn.Server):
         self.engine = engine
         self.shutdown_timeout = args.shutdown_timeout
 
-    def handle_exit(self, sig, frame) -> None:
-        loop = self.engine.loop   # (None: no request ever came, so none is running)
-        if not self.should_exit and loop is not None:   # (the first signal; from a handler:
-            loop.call_soon_threadsafe(   # only the thread-safe call may touch the loop)
-                loop.call_later, self.shutdown_timeout, self.engine.abort_all)
-        super().handle_exit(sig, frame)
+    async def shutdown(self, sockets=None) -> None:
+        asyncio.get_running_loop().call_later(self.shutdown_timeout, self.engine.abort_all)
+        await super().shutdown(sockets)
 
 
 def start_engine(args: argparse.Namespace):

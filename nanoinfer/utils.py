@@ -1,12 +1,14 @@
 """Small helpers that several parts of the engine share: numbers, settings, and processes."""
 import functools
 import math
+import multiprocessing
 import multiprocessing.resource_tracker
 import os
 import signal
 import sys
 import threading
 import time
+import traceback
 
 import torch
 
@@ -79,13 +81,19 @@ def child_process(main):
     """A process the engine starts (an engine core, a worker rank) runs `main` this way: Ctrl-C
     and SIGTERM are its parent's to handle (a service manager sends them to the whole group, and
     the parent stops its children itself), it exits when its parent is gone, and it ends with
-    `exit_now` once `main` returns (`main` reports its own errors)."""
+    `exit_now` once `main` returns (status 0), or raises (printed, status 1: `main` reports its
+    own errors, so that is a bug)."""
     @functools.wraps(main)
     def run(*args) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
-        main(*args)
+        parent = multiprocessing.parent_process().pid   # (not getppid: it may have gone already)
+        threading.Thread(target=exit_with_parent, args=(parent,), daemon=True).start()
+        try:
+            main(*args)
+        except BaseException:
+            traceback.print_exc()
+            exit_now(1)
         exit_now(0)
     return run
 
@@ -95,8 +103,11 @@ def exit_now(status: int = 0, stop_tracker: bool = False) -> None:
     object it made: seconds, on a busy machine); what it printed is flushed first. The process
     that started the others (`stop_tracker`) first stops multiprocessing's resource tracker, so
     that no process of ours outlives its exit status."""
-    if stop_tracker:
-        multiprocessing.resource_tracker._resource_tracker._stop()
+    if stop_tracker:   # (waited for 2 s at most: a process we lost may still hold it open)
+        stopping = threading.Thread(target=multiprocessing.resource_tracker._resource_tracker._stop,
+                                    daemon=True)
+        stopping.start()
+        stopping.join(2)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

@@ -22,6 +22,7 @@ def rooms() -> dict[str, int]:
     levels = {}
     for level, line in enumerate(re.findall(r"^\d+\. (.*)$", listing, re.M)):
         for name in re.findall(r"`([^`]+)`", line):
+            assert name not in levels, f"{name} is listed twice"
             levels[name.rstrip("/").removesuffix(".py")] = level
     return levels
 
@@ -37,14 +38,21 @@ def modules() -> dict[str, Path]:
 
 def imports(path: Path, known: dict) -> list[tuple[int, str]]:
     """(line, module) of every import of nanoinfer's in a file: `from nanoinfer.a import b` is
-    an import of the module nanoinfer.a.b if there is one, else of nanoinfer.a."""
+    an import of the module nanoinfer.a.b if there is one, else of nanoinfer.a (a relative
+    import, `from ..a import b`, is read as the absolute one it is)."""
     found = []
+    package = list(path.relative_to(ROOT).with_suffix("").parts)[:-1]
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found += [(node.lineno, f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known
-                       else node.module) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found += [(node.lineno, f"{module}.{a.name}" if f"{module}.{a.name}" in known
+                       else module) for a in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(
+                node.func, "id", None)) in ("import_module", "__import__"):
+            found.append((node.lineno, "a dynamic import: name its module in an import"))
     return found
 
 
@@ -66,6 +74,7 @@ def test_no_room_imports_one_above_it_or_beside_it():
     for module, path in known.items():
         here = room_of(module)
         for line, target in imports(path, known):
+            assert not target.startswith("a dynamic"), f"{path.relative_to(ROOT)}:{line}: {target}"
             if not target.startswith("nanoinfer"):
                 continue
             there = room_of(target)

@@ -41,8 +41,10 @@ def main(argv=None) -> int:
         demo.record(path)
     try:
         if args.perfetto:
-            steps = perfetto.export(path, args.perfetto)
+            steps, error = perfetto.export(path, args.perfetto)
             print(f"view: {steps} steps written to {args.perfetto} (open it in ui.perfetto.dev)")
+            if error is not None:
+                print(f"view: {path}: the trace stops at a bad line: {error}", file=sys.stderr)
             return 0
         recording = Recording.read(path)
     except (OSError, BadLog) as e:   # (the log's fault, said by its line; never a traceback)

@@ -9,27 +9,37 @@ chrome://tracing open: `python -m view RUN.jsonl --perfetto OUT.json`.
                             its arrival to its end, an instant where it was preempted
 
 Times are the engine's host clock, in microseconds (the format's unit). A sequence's end is the
-time of the last record with a time before it.
+time of the last record with a time before it; one that has not ended when the log does (cut
+short, or bad at some line: then the trace stops there, and `export` says why) ends there.
 """
 import json
 
 from view.recording import parse
-from view.replay import Replay
+from view.replay import BadLog, Replay
 
 
-def export(log: str, out: str) -> int:
-    """Write `log`'s trace to `out`; the number of steps."""
+def export(log: str, out: str) -> tuple[int, str | None]:
+    """Write `log`'s trace to `out`; the number of steps, and why it stopped early (or None)."""
     replay = Replay()
     events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
               for pid, name in ((1, "engine core"), (2, "requests"))]
     arrived: dict[int, float] = {}
     step = None   # the step whose slice is still open (it ends where the next begins)
     now = 0.0
+    error = None
     with open(log, "rb") as f:
         for number, line in enumerate(f, start=1):
-            record = parse(line, number)
-            replay.apply(record, number)
+            try:
+                record = parse(line, number)
+                replay.apply(record, number)
+            except BadLog as e:
+                if replay.header is None:
+                    raise
+                error = str(e)
+                break
             now = record.get("time", now)
+            if record["t"] == "snapshot":
+                arrived |= dict.fromkeys(replay.seqs, now)
             if record["t"] == "add":
                 arrived |= dict.fromkeys(record["seqs"], now)
                 events += [{"ph": "M", "name": "thread_name", "pid": 2, "tid": s,
@@ -39,14 +49,18 @@ def export(log: str, out: str) -> int:
                 events += step_events(step, now) + counters(record, replay, now)
                 step = record
             elif record["t"] == "finish":
-                start = arrived.pop(record["seq"], now)
-                events.append({"ph": "X", "name": f"sequence {record['seq']}", "pid": 2,
-                               "tid": record["seq"], "ts": us(start),
-                               "dur": max(us(now) - us(start), 1), "args": {"end": record["reason"]}})
+                events.append(sequence(record["seq"], arrived.pop(record["seq"], now), now,
+                                       record["reason"]))
     events += step_events(step, now)
+    events += [sequence(s, start, now, "not ended in the log") for s, start in arrived.items()]
     with open(out, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-    return replay.counts["steps"]
+    return replay.counts["steps"], error
+
+
+def sequence(seq_id: int, start: float, end: float, why: str) -> dict:
+    return {"ph": "X", "name": f"sequence {seq_id}", "pid": 2, "tid": seq_id, "ts": us(start),
+            "dur": max(us(end) - us(start), 1), "args": {"end": why}}
 
 
 def us(seconds: float) -> float:

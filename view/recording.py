@@ -35,6 +35,7 @@ class Recording:
         self.replay = Replay()
         self.windows: list[Window] = []
         self.error: str | None = None
+        self.end: int | None = None   # (from a file: where its bad line begins)
         self.lock = threading.Lock()   # (live: appended by one thread, read by the server's)
 
     @classmethod
@@ -46,6 +47,7 @@ class Recording:
                     recording.add(parse(line, number), number, f.tell() - len(line))
                 except BadLog as e:
                     recording.error = str(e)
+                    recording.end = f.tell() - len(line)
                     break
         if not recording.windows and recording.error is None:
             recording.error = "the log holds no step" if recording.replay.header else \
@@ -100,10 +102,9 @@ class Recording:
         with open(self.path, "rb") as f:
             f.seek(window.offset)
             for line in iter(f.readline, b""):
-                try:
-                    record = parse(line, 0)
-                except BadLog:
+                if self.end is not None and f.tell() > self.end:
                     return
+                record = parse(line, 0)
                 steps += record.get("t") == "step"
                 if steps > window.num_steps:
                     return

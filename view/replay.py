@@ -11,11 +11,10 @@ docs/ARCHITECTURE.md section 15). `Replay.apply` takes the records one by one an
 - counts since the start: steps, prompt tokens looked up in the prefix cache and found there,
   cached blocks evicted to be reused, preemptions, tokens generated.
 
-A step's record (written once `Scheduler.schedule` has planned it) is applied in the order the
-scheduler acted: the sequences it preempted (the newest running ones, `allocate_or_preempt`) go
-to the front of the waiting queue, then those it admitted (`schedule_waiting`) move to the end of
-the running one. The block records of that planning came before it, as the block manager made
-each change; `out` and `finish` records follow when the step's tokens come back
+A step's record, written once `Scheduler.schedule` has planned it, says whom it preempted and
+admitted and how it left the two queues (so that a scheduler of one's own, the course's, is shown
+as it is). The block records of that planning came before it, as the block manager made each
+change; `out` and `finish` records follow when the step's tokens come back
 (`update_from_output`). "After step N" is the state once everything before step N + 1's record
 is applied. A `snapshot` puts a whole state in place: the engine sends one
 to a live viewer that joins late, and `snapshot()` writes one for the windows of a long log.
@@ -125,16 +124,12 @@ class Replay:
             self.counts["generated"] += n
 
     def on_step(self, r: dict) -> None:
-        victims = [s for s in self.running if s in set(r["preempted"])]
-        self.running = [s for s in self.running if s not in victims]
-        self.waiting = victims + self.waiting
-        for seq_id in victims:
+        for seq_id in r["preempted"]:
             self.seqs[seq_id].computed = 0
             self.seqs[seq_id].preempted += 1
-        self.counts["preemptions"] += len(victims)
-        for seq_id in r["admitted"]:
-            self.waiting.remove(seq_id)
-            self.running.append(seq_id)
+        self.counts["preemptions"] += len(r["preempted"])
+        self.waiting = list(r["waiting"])   # (as the scheduler left them: yours, in the course)
+        self.running = list(r["running"])
         for seq_id, n, start, drafts in r["sched"]:
             seq = self.seqs[seq_id]
             seq.computed = start + n

@@ -155,15 +155,20 @@ class AsyncLLM(FrontEnd):
 
     async def watch(self, rank: int) -> AsyncIterator[str]:
         """Core `rank`'s event log as it is made, as server-sent events: a header and a snapshot,
-        then every record (engine/event_log.py). One viewer a core: a new one ends the stream of
-        the one before (the view's own server shows one stream to many pages)."""
+        then every record (engine/event_log.py), and a comment every 15 s of quiet (an idle
+        engine's viewer stays). One viewer a core: the view's own server shows it to any number
+        of pages."""
         self.loop = asyncio.get_running_loop()
-        self.stop_watching(rank)
         records = self.viewers[rank] = asyncio.Queue()
         self.client.send(rank, ("view", True))
         try:
-            while (record := await records.get()) is not None:
-                yield f"data: {record}\n\n"
+            while True:
+                try:
+                    if (record := await asyncio.wait_for(records.get(), 15)) is None:
+                        return
+                    yield f"data: {record}\n\n"
+                except asyncio.TimeoutError:
+                    yield ": still here\n\n"
         finally:
             if self.viewers.get(rank) is records:
                 self.stop_watching(rank)
@@ -200,6 +205,7 @@ class AsyncLLM(FrontEnd):
     def process(self, rank: int, message: tuple) -> None:
         # Every request of a core that died fails.
         if message[0] == "dead":
+            self.stop_watching(rank)
             held = [r for r, owner in self.client.owner.items() if owner == rank]
             self.fail(held, self.errors[rank])
             return

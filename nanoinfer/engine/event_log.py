@@ -96,7 +96,7 @@ class EventLog:
             except OSError as e:
                 raise ValueError(f"event_log: cannot write {path!r} ({e.strerror})") from None
             limit = float(os.environ.get("NANOINFER_EVENT_LOG_MAX_MB", "2048")) * 2**20
-            self.queue = queue.Queue(maxsize=100_000)
+            self.queue = queue.SimpleQueue()   # (never full: the step loop never waits on it)
             self.writer = threading.Thread(target=self.write, args=(file, limit), daemon=True,
                                            name="nanoinfer-event-log")
             self.writer.start()
@@ -105,12 +105,13 @@ class EventLog:
                        "block_size": bm.block_size,
                        "max_num_batched_tokens": scheduler.max_num_batched_tokens}
         self.put(self.header)
+        self.plain = type(scheduler), type(bm)   # (what they go back to)
         scheduler.__class__, bm.__class__ = RecordingScheduler, RecordingBlockManager
         scheduler.log = bm.log = self
 
     def put(self, record: dict) -> None:
-        if self.queue is not None:
-            self.queue.put(record)
+        if (file_queue := self.queue) is not None:   # (read once: a stopping writer clears it)
+            file_queue.put(record)
         if self.live is not None:
             self.live.append(record)
 
@@ -126,9 +127,12 @@ class EventLog:
         drafts = sched.scheduled_spec_decode_tokens
         scheduled = [[s, n, starts[s], len(drafts.get(s, ()))]
                      for s, n in sched.num_scheduled_tokens.items()]
+        s = self.scheduler   # (the queues as they are, whatever the scheduler's own policy)
         self.put({"t": "step", "time": start, "sched": scheduled,
                   "admitted": [r.seq_id for r in sched.scheduled_new_reqs],
-                  "preempted": sorted(sched.preempted_seq_ids), "kv_saved": len(sched.kv_saves)})
+                  "preempted": sorted(sched.preempted_seq_ids), "kv_saved": len(sched.kv_saves),
+                  "waiting": [q.seq_id for q in s.waiting],
+                  "running": [q.seq_id for q in s.running]})
 
     def snapshot(self) -> dict:
         """The state now: each live sequence (prompt, max_tokens, computed, generated, blocks),
@@ -136,7 +140,7 @@ class EventLog:
         s = self.scheduler
         return {"t": "snapshot", "time": time.time(),
                 "seqs": {q.seq_id: [q.num_prompt_tokens, q.max_tokens, q.num_computed_tokens,
-                                    q.num_output_tokens, q.block_table]
+                                    q.num_output_tokens, list(q.block_table)]
                          for q in s.requests.values()},
                 "waiting": [q.seq_id for q in s.waiting], "running": [q.seq_id for q in s.running],
                 "hashed": list(s.block_manager.block_hash)}
@@ -177,9 +181,8 @@ class EventLog:
     def close(self) -> None:
         """Stop recording: the core's scheduler and block manager are the plain ones again, and
         a file is written to its end."""
-        self.scheduler.__class__ = Scheduler
-        self.scheduler.block_manager.__class__ = BlockManager
-        if self.queue is not None:
-            self.queue.put(None)
+        self.scheduler.__class__, self.scheduler.block_manager.__class__ = self.plain
+        if (file_queue := self.queue) is not None:
+            file_queue.put(None)
             self.writer.join()
         self.queue = None

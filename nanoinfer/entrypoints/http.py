@@ -39,7 +39,8 @@ class RequestGuard:
         headers = dict(scope["headers"])
         status = 0
         key = headers.get(b"authorization")
-        if self.expected and scope["path"].startswith(("/v1", "/engine")) and key != self.expected:
+        path = scope["path"].removeprefix(scope.get("root_path", ""))   # (the route's, mounted)
+        if self.expected and path.startswith(("/v1", "/engine")) and key != self.expected:
             status, message = 401, "missing or wrong API key"
         elif self.max_bytes and int(headers.get(b"content-length", b"0") or 0) > self.max_bytes:
             status, message = 413, f"the request body is larger than {self.max_bytes:,} bytes"

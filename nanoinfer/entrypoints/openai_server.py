@@ -172,8 +172,11 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     @app.get("/engine/events")
     async def engine_events(core: int = 0):
         """Core `core`'s event log, live, for the view (python -m view --live URL)."""
-        if not 0 <= core < len(engine.client.conns):
-            raise APIError(404, f"there is no engine core {core}", "core")
+        if not 0 <= core < len(engine.client.conns) or core in engine.errors:
+            raise APIError(404, f"there is no live engine core {core}", "core")
+        if core in engine.viewers:
+            raise APIError(409, f"engine core {core} has a viewer already (python -m view "
+                                "--live URL shows one stream to any number of pages)", "core")
         return StreamingResponse(engine.watch(core), media_type="text/event-stream")
 
     @app.get("/v1/models")
