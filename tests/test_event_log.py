@@ -42,22 +42,24 @@ def watched(monkeypatch):
     """Every record as it is put, and at the start of each step's planning the engine's own
     state with the number of records put before it."""
     records, moments = [], []
-    put, schedule = event_log.EventLog.put, event_log.RecordingScheduler.schedule
+    init, schedule = event_log.EventLog.__init__, event_log.RecordingScheduler.schedule
 
-    def put_and_keep(self, record):
-        records.append(json.loads(json.dumps(record)))   # (as a file holds it)
-        put(self, record)
+    def init_and_keep(self, *args):   # (the records, in the order the file gets them)
+        init(self, *args)
+        self.live = records
+        records.append(self.header)
 
     def schedule_and_look(self):
         moments.append((len(records), engine_state(self)))
         return schedule(self)
-    monkeypatch.setattr(event_log.EventLog, "put", put_and_keep)
+    monkeypatch.setattr(event_log.EventLog, "__init__", init_and_keep)
     monkeypatch.setattr(event_log.RecordingScheduler, "schedule", schedule_and_look)
     return records, moments
 
 
 def check_replay(records: list, moments: list) -> Replay:
     """The replay of the records up to each moment equals the engine's state then."""
+    records[:] = json.loads(json.dumps(records))   # (as a file holds them)
     replay, applied = Replay(), 0
     assert len(moments) > 3
     for count, want in moments:
@@ -218,3 +220,23 @@ def test_a_bad_path_and_the_size_limit(llama_dir, tmp_path, monkeypatch, caplog)
     assert json.loads(lines[-1]) == {"t": "end", "why": "the size limit"}
     assert sum(map(len, lines)) <= 0.002 * 2**20 + 100
     assert any("NANOINFER_EVENT_LOG_MAX_MB=0.002 reached" in r.getMessage() for r in caplog.records)
+
+
+def test_a_log_is_written_to_its_end_without_a_shutdown(llama_dir, tmp_path):
+    """A script that exits without `llm.shutdown()` still leaves the whole log (the writer thread
+    is waited for at exit)."""
+    import subprocess
+    import sys
+    path = tmp_path / "run.jsonl"
+    script = (f"from nanoinfer import LLM, SamplingParams\n"
+              f"llm = LLM({llama_dir!r}, event_log={str(path)!r})\n"
+              "llm.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=40, ignore_eos=True), "
+              "use_tqdm=False)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    replay = Replay()
+    for record in records:
+        replay.apply(record)
+    assert replay.counts["generated"] == 8 * 40 and not replay.seqs

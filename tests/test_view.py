@@ -133,6 +133,11 @@ def test_the_perfetto_export_is_chromes_trace_format(log, tmp_path):
     assert len(sequences) == 6 and any(e["ph"] == "i" for e in events)   # (a preemption)
     names = [e for e in events if e["ph"] == "M" and e["name"] == "thread_name"]
     assert len(names) == 6
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    run = subprocess.run([sys.executable, "-m", "view", str(empty), "--perfetto", str(out)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "the log is empty" in run.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b"\xff\xfe not a log")
     run = subprocess.run([sys.executable, "-m", "view", str(bad), "--perfetto", str(out)],

@@ -51,6 +51,8 @@ def export(log: str, out: str) -> tuple[int, str | None]:
             elif record["t"] == "finish":
                 events.append(sequence(record["seq"], arrived.pop(record["seq"], now), now,
                                        record["reason"]))
+    if replay.header is None:
+        raise BadLog("the log is empty")
     events += step_events(step, now)
     events += [sequence(s, start, now, "not ended in the log") for s, start in arrived.items()]
     with open(out, "w") as f:

@@ -132,28 +132,32 @@ class Recording:
 
     def timeline(self, index: int) -> list[list]:
         """A window's steps, one row each: [step, prefill, decode, drafts, sequences, ms (to the
-        next step, or the last output), preempted, prompt tokens found in the prefix cache]."""
+        next step, or the last record), preempted, prompt tokens found in the prefix cache]: what
+        its record and the records after it, up to the next step's, counted."""
         with self.lock:
             window = self.windows[index]
         replay = Replay()
         replay.apply(window.snapshot)
         rows = []
-        last = 0.0
-        before = dict(replay.counts)   # (at the end of the step before: its planning since)
+        now = 0.0
         for record in self.records(window):
-            replay.apply(record)
-            last = record.get("time", last)
             if record["t"] == "step":
-                if rows:
-                    rows[-1][5] = round((record["time"] - rows[-1][5]) * 1e3, 3)
-                c = replay.counts
-                rows.append([replay.step, *(c[k] - before[k] for k in ("prefill", "decode",
-                             "drafts")), len(record["sched"]), record["time"],
-                             len(record["preempted"]), c["hits"] - before["hits"]])
-                before = dict(c)
-        if rows:
-            rows[-1][5] = round(max(last - rows[-1][5], 0) * 1e3, 3)
+                self.close_row(rows, replay, record["time"])
+                rows.append([replay.step + 1, dict(replay.counts), len(record["sched"]),
+                             record["time"], len(record["preempted"])])
+            replay.apply(record)
+            now = record.get("time", now)
+        self.close_row(rows, replay, now)
         return rows
+
+    @staticmethod
+    def close_row(rows: list, replay: Replay, now: float) -> None:
+        if not rows or not isinstance(rows[-1][1], dict):
+            return
+        step, before, seqs, start, preempted = rows[-1]
+        c = replay.counts
+        rows[-1] = [step, *(c[k] - before[k] for k in ("prefill", "decode", "drafts")), seqs,
+                    round(max(now - start, 0) * 1e3, 3), preempted, c["hits"] - before["hits"]]
 
 
 def parse(line: bytes, number: int) -> dict:

@@ -13,8 +13,8 @@ docs/ARCHITECTURE.md section 15). `Replay.apply` takes the records one by one an
 
 A step's record, written once `Scheduler.schedule` has planned it, says whom it preempted and
 admitted and how it left the two queues (so that a scheduler of one's own, the course's, is shown
-as it is). The block records of that planning came before it, as the block manager made each
-change; `out` and `finish` records follow when the step's tokens come back
+as it is). The block records of that planning follow it, in the order the block manager made each
+change; `out` and `finish` records come when the step's tokens come back
 (`update_from_output`). "After step N" is the state once everything before step N + 1's record
 is applied. A `snapshot` puts a whole state in place: the engine sends one
 to a live viewer that joins late, and `snapshot()` writes one for the windows of a long log.

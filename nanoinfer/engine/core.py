@@ -96,6 +96,8 @@ class EngineCore:
         self.in_flight = StepsInFlight(self.scheduler, config)
         # What the core does, written down (off by default; a server's live page turns it on).
         self.event_log = EventLog(self.scheduler, config.event_log) if config.event_log else None
+        if self.event_log is not None:   # (written to its end at exit, if nobody shuts down)
+            weakref.finalize(self, self.event_log.close)
         # The last step's tokens (for progress bars), and counts since the start.
         self.num_prefill_tokens = self.num_decode_tokens = 0
         self.num_requests_added = self.num_aborted_seqs = 0

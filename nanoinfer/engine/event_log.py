@@ -6,10 +6,11 @@ server's live stream), the core records one JSON object per event, in the order 
 - `header` (first): the format's version `v`, the number of blocks and their size, the budget;
 - `add`: a request, once: its sequences, prompt length, max_tokens, arrival time, a grammar;
 - `step`: what a step scheduled (per sequence its tokens, where they start, its drafts), whom
-  it admitted and preempted, its start time, the blocks a KV connector saves;
-- `alloc`, `free`, `reset`: the block manager's changes, as it makes them: blocks appended to a
-  sequence's table (the first `hits` of them found in the prefix cache), a sequence's blocks let
-  go (those that keep their hash: `kept`), the prefix cache emptied;
+  it admitted and preempted, the queues it left, its start time, the blocks a KV connector saves;
+- `alloc`, `free`, `reset`: the block manager's changes, in the order it makes them (those made
+  while a step is planned come right after its `step` record): blocks appended to a sequence's
+  table (the first `hits` of them found in the prefix cache), a sequence's blocks let go (those
+  that keep their hash: `kept`), the prefix cache emptied;
 - `out`: the tokens the sequences got when a step's output came back;
 - `finish`: a sequence ended, and why (a stop, its length, an abort, a stop string);
 - `snapshot`: the whole state at a moment (a live viewer that joins late starts from one).
@@ -43,10 +44,15 @@ class RecordingScheduler(Scheduler):
     how each sequence ends."""
 
     def schedule(self) -> SchedulerOutput:
+        """The step's record first, then what the block manager did while it was planned."""
         start = time.time()
+        self.log.planning = []
         out = super().schedule()
+        planned, self.log.planning = self.log.planning, None
         if out.num_scheduled_tokens or out.preempted_seq_ids or out.kv_loads:
             self.log.step(out, start)
+        for record in planned:
+            self.log.put(record)
         return out
 
     def update_from_output(self, runner_output):
@@ -89,6 +95,7 @@ class EventLog:
     def __init__(self, scheduler: Scheduler, path: str | None = None):
         self.scheduler = scheduler
         self.live: list | None = None
+        self.planning: list | None = None   # (a step's records while it is planned)
         self.queue: queue.Queue | None = None
         if path is not None:
             try:
@@ -110,6 +117,9 @@ class EventLog:
         scheduler.log = bm.log = self
 
     def put(self, record: dict) -> None:
+        if self.planning is not None:   # (to be put after the step's own record)
+            self.planning.append(record)
+            return
         if (file_queue := self.queue) is not None:   # (read once: a stopping writer clears it)
             file_queue.put(record)
         if self.live is not None:
