@@ -17,7 +17,8 @@ def seq_of(token_ids):
 def admit(bm: BlockManager, seq: Sequence) -> bool:
     """What the scheduler does for a waiting sequence: reuse the cached prefix, compute the rest."""
     computed = bm.get_computed_blocks(seq)
-    if bm.allocate_slots(seq, seq.num_tokens - len(computed) * BS, computed) is None:
+    num_new = seq.num_tokens - len(computed) * BS
+    if bm.allocate_slots(seq, num_new, computed_blocks=computed) is None:
         return False
     seq.num_computed_tokens = seq.num_tokens
     bm.cache_full_blocks(seq)
@@ -138,7 +139,8 @@ def test_only_the_scheduler_moves_num_computed_tokens():
     admit(bm, first)
     second = seq_of(range(10))
     computed = bm.get_computed_blocks(second)
-    assert bm.allocate_slots(second, 2, computed) == computed + [second.block_table[-1]]
+    new_blocks = bm.allocate_slots(second, 2, computed_blocks=computed)
+    assert new_blocks == computed + [second.block_table[-1]]
     assert second.num_computed_tokens == 0
     second.num_computed_tokens = 10
     bm.free(second)

@@ -28,7 +28,8 @@ def admit(bm: BlockManager, seq: Sequence) -> bool:
     """What the scheduler does with a waiting sequence: start from its cached prefix, allocate
     the rest, compute it all (here: say so) and enter its full blocks in the cache."""
     computed = bm.get_computed_blocks(seq)
-    if bm.allocate_slots(seq, seq.num_tokens - len(computed) * BS, computed) is None:
+    num_new = seq.num_tokens - len(computed) * BS
+    if bm.allocate_slots(seq, num_new, computed_blocks=computed) is None:
         return False
     seq.num_computed_tokens = seq.num_tokens
     bm.cache_full_blocks(seq)

@@ -143,7 +143,8 @@ def test_admission_first_come_first_served(llama_dir):
         scheduler.add(seq)
     out = scheduler.schedule()
     assert list(out.num_scheduled_tokens) == [a.seq_id]
-    assert list(scheduler.waiting) == [b, c] and not b.block_table and not c.block_table
+    assert [seq.seq_id for seq in scheduler.waiting] == [b.seq_id, c.seq_id]
+    assert not b.block_table and not c.block_table
     sample(scheduler, out)   # a is done, its blocks free
     out = scheduler.schedule()
     assert list(out.num_scheduled_tokens.items()) == [(b.seq_id, 24), (c.seq_id, 3)]

@@ -64,7 +64,7 @@ class BlockManager:
             computed.append(block_id)
         return computed
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (),
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, *, computed_blocks: list[int] = (),
                        num_lookahead_tokens: int = 0) -> list[int] | None:
         """Give `seq` blocks for `num_new_tokens` more tokens, starting with the cached
         `computed_blocks` on first admission, and for `num_lookahead_tokens` slots past them

@@ -134,7 +134,8 @@ class Scheduler(SchedulerHooks):
             # A request whose blocks a KV connector loads computes nothing in this step.
             num_new = 0 if external else min(seq.num_tokens - num_cached, budget)
             num_slots = len(external) * self.block_size + num_new
-            if self.block_manager.allocate_slots(seq, num_slots, computed, self.lookahead) is None:
+            if self.block_manager.allocate_slots(seq, num_slots, computed_blocks=computed,
+                                                 num_lookahead_tokens=self.lookahead) is None:
                 return
             self.admit(seq, num_cached, out)
             if external:

@@ -92,6 +92,11 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 
+    def __repr__(self) -> str:
+        """Its id, status and progress: the tokens computed of those known or in flight."""
+        return (f"Sequence({self.seq_id}, {self.status.name}, {self.num_computed_tokens} of "
+                f"{self.num_tokens_with_placeholders} tokens computed)")
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

@@ -69,9 +69,9 @@ class RecordingScheduler(Scheduler):
 class RecordingBlockManager(BlockManager):
     """The block manager, telling the event log of each change as it makes it."""
 
-    def allocate_slots(self, seq, num_new_tokens, computed_blocks=(), num_lookahead_tokens=0):
-        new_blocks = super().allocate_slots(seq, num_new_tokens, computed_blocks,
-                                            num_lookahead_tokens)
+    def allocate_slots(self, seq, num_new_tokens, *, computed_blocks=(), num_lookahead_tokens=0):
+        new_blocks = super().allocate_slots(seq, num_new_tokens, computed_blocks=computed_blocks,
+                                            num_lookahead_tokens=num_lookahead_tokens)
         if new_blocks:
             self.log.put({"t": "alloc", "seq": seq.seq_id, "blocks": new_blocks,
                           "hits": len(computed_blocks)})
