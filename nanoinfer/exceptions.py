@@ -4,6 +4,7 @@ Raised wherever a request is validated (SamplingParams, GuidedDecodingParams, In
 that a caller learns which parameter was wrong from `parameter`, not from the message's words: the
 server's error body takes its `param` from it (by the name the request gave that field).
 """
+import functools
 
 
 class ValidationError(ValueError):
@@ -16,8 +17,4 @@ class ValidationError(ValueError):
 
     def __reduce__(self):
         # (as pickle and copy rebuild it: BaseException's own passes `args` alone)
-        return _rebuild, (str(self), self.parameter)
-
-
-def _rebuild(message: str, parameter: str) -> ValidationError:
-    return ValidationError(message, parameter=parameter)
+        return functools.partial(ValidationError, parameter=self.parameter), (str(self),)

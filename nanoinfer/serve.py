@@ -122,11 +122,10 @@ class Server(uvicorn.Server):
 def start_engine(args: argparse.Namespace):
     """The engine (AsyncLLM) and the served model's name; or, for a headless node, its run."""
     from nanoinfer.engine.async_llm import AsyncLLM
-    name = args.served_model_name or args.model
-    if args.model is None:
+    name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    if args.model is None:   # the embedded default model
         from nanoinfer.default_model import default_model_path
         args.model = default_model_path()
-        name = args.served_model_name or "SmolLM2-135M-Instruct"
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
                if f.init and f.name != "model" and hasattr(args, f.name)}
     address = (args.data_parallel_address, args.data_parallel_rpc_port)

@@ -51,7 +51,6 @@ def engine_num_threads(device: str, num_procs: int) -> int:
     return max(1, (cores - 1) // num_procs)
 
 
-
 def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
     """Each core's CUDA_VISIBLE_DEVICES: core r takes the r-th `ranks_per_core` visible GPUs."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -60,6 +59,7 @@ def core_gpus(data_parallel_size: int, ranks_per_core: int) -> list[str]:
     require(len(gpus) >= data_parallel_size * n, f"data_parallel_size={data_parallel_size} x {n} "
             f"ranks per core needs {data_parallel_size * n} GPUs, {len(gpus)} are visible")
     return [",".join(gpus[r * n:(r + 1) * n]) for r in range(data_parallel_size)]
+
 
 def stop_processes(procs: list, timeout: float) -> None:
     """Join each process for `timeout` seconds, then kill it (one never started is skipped)."""

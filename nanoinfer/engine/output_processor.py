@@ -106,25 +106,24 @@ def logprob_entry(row: tuple[list[int], list[float], int], num_top: int, tokeniz
     return entry
 
 
+@dataclass(eq=False)
 class RequestState:
-
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 output_kind: RequestOutputKind, completions: list[CompletionState],
-                 seq_ids: list[int], max_tokens: int):
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.output_kind = output_kind
-        self.completions = completions
-        self.seq_ids = seq_ids
-        self.max_tokens = max_tokens
-        self.metrics = RequestMetrics(arrival_time=time.time())
-        self.num_cached_tokens = 0
-        # the prompt's logprobs, which come with its first tokens (a DELTA output brings them once)
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-        self.prompt_logprobs_sent = False
-        # The completions with news since the last output.
-        self.updated: set[int] = set()
+    """A request as returned: its samples, its metrics, and what its outputs have sent."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    completions: list[CompletionState]
+    seq_ids: list[int]
+    max_tokens: int
+    metrics: RequestMetrics = field(
+        default_factory=lambda: RequestMetrics(arrival_time=time.time()))
+    num_cached_tokens: int = 0
+    # the prompt's logprobs, which come with its first tokens (a DELTA output brings them once)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
+    # The completions with news since the last output.
+    updated: set[int] = field(default_factory=set)
 
     @property
     def finished(self) -> bool:

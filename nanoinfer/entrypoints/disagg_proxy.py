@@ -32,8 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from nanoinfer.entrypoints.errors import error_body
-from nanoinfer.entrypoints.http import add_error_handlers
+from nanoinfer.entrypoints.http import add_error_handlers, error_response
 from nanoinfer.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, check_fields
 
 NOT_FOR_PREFILL = ("stream", "stream_options", "min_tokens", "echo")   # (it makes one token)
@@ -52,10 +51,9 @@ def create_proxy(prefill: str, decode: str, timeout: float = 600,
         try:
             return await prefill_then_decode(client, prefill, decode, request)
         except httpx.TimeoutException:
-            return JSONResponse(error_body(504, f"a server behind the proxy sent nothing for "
-                                                f"{timeout} s"), 504)
+            return error_response(504, f"a server behind the proxy sent nothing for {timeout} s")
         except httpx.TransportError as e:   # a server is down, or went away
-            return JSONResponse(error_body(502, f"a server behind the proxy failed: {e!r}"), 502)
+            return error_response(502, f"a server behind the proxy failed: {e!r}")
 
     async def completions(request: Request, fields: CompletionRequest):
         return await route(request, fields)
@@ -74,7 +72,7 @@ def create_proxy(prefill: str, decode: str, timeout: float = 600,
         try:
             answer = await client.get(decode + request.url.path, headers=headers)
         except httpx.TransportError as e:
-            return JSONResponse(error_body(503, f"the decode server cannot be reached: {e!r}"), 503)
+            return error_response(503, f"the decode server cannot be reached: {e!r}")
         return Response(answer.content, answer.status_code,
                         media_type=answer.headers.get("content-type"))
 
@@ -90,15 +88,13 @@ async def prefill_then_decode(client: httpx.AsyncClient, prefill: str, decode: s
                               request: Request) -> Response:
     """The request to the prefill server with max_tokens 1, then as it came to the decode server."""
     path, body = request.url.path, await request.body()
-    headers = {k: v for k, v in request.headers.items()
-               if k in ("authorization", "content-type")}
+    headers = {k: v for k, v in request.headers.items() if k in ("authorization", "content-type")}
     prefill_body = {k: v for k, v in json.loads(body).items() if k not in NOT_FOR_PREFILL}
     prefill_body |= {"max_tokens": 1} | ({"max_completion_tokens": 1}
                                          if "messages" in prefill_body else {})
     done = await client.post(prefill + path, json=prefill_body, headers=headers)
     if done.status_code != 200:   # a bad request: the prefill server's answer says why
-        return Response(done.content, done.status_code,
-                        media_type=done.headers.get("content-type"))
+        return Response(done.content, done.status_code, media_type=done.headers.get("content-type"))
     decoding = client.build_request("POST", decode + path, content=body, headers=headers)
     answer = await client.send(decoding, stream=True)
     return StreamingResponse(answer.aiter_raw(), answer.status_code,

@@ -7,7 +7,8 @@ as the request named it (SamplingParams' `max_tokens` is a chat's `max_completio
 """
 import re
 
-ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+# (any other status: invalid_request_error below 500, server_error from 500)
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error"}
 
 
 class APIError(Exception):

@@ -53,21 +53,19 @@ class LLM:
         if (n := len(sampling_params)) != len(prompts):
             raise ValidationError(f"got {n} sampling params for {len(prompts)} prompts",
                                   parameter="sampling_params")
-        engine = self.llm_engine
         request_ids = []
         try:
             for prompt, params in zip(prompts, sampling_params):
                 request_ids.append(self.next_request_id())
-                if params is None:
-                    params = SamplingParams()
+                params = SamplingParams() if params is None else params
                 if isinstance(params, SamplingParams):
                     params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                engine.add_request(request_ids[-1], prompt, params)
+                self.llm_engine.add_request(request_ids[-1], prompt, params)
             return self.run_engine(request_ids, use_tqdm)
         # Nothing of this call stays queued: after an exception its requests are aborted (once
         # they have all finished, none is live, and this does nothing).
         finally:
-            engine.abort_request(request_ids)
+            self.llm_engine.abort_request(request_ids)
 
     def next_request_id(self) -> str:
         """A new id, never one of a live request (which a caller may have chosen)."""

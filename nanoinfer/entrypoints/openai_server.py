@@ -59,12 +59,10 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str):
         self.engine = engine
         self.model_name = model_name
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.config.max_model_len
         self.metrics = ServerMetrics(engine, model_name)
         engine.stat_logger = self.metrics.record
         self.card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanoinfer",
-                     "max_model_len": self.max_model_len}
+                     "max_model_len": engine.config.max_model_len}
 
     def model(self, model_id: str | None) -> dict:
         if model_id is not None and model_id != self.model_name:
@@ -87,14 +85,14 @@ class OpenAIServing:
             prompts = [prompts]
         if not prompts:
             raise APIError(400, "prompt is an empty list", "prompt")
+        encode = self.engine.input_processor.encode
         inputs = []
-        for prompt in prompts:
+        for prompt in prompts:   # (text is tokenized; token ids pass through)
             if isinstance(prompt, list):
                 inputs.append({"prompt_token_ids": prompt})
-                continue
-            encode = self.engine.input_processor.encode
-            token_ids = await self.tokenize("prompt", len(prompt), encode, prompt)
-            inputs.append({"prompt": prompt, "prompt_token_ids": token_ids})
+            else:
+                token_ids = await self.tokenize("prompt", len(prompt), encode, prompt)
+                inputs.append({"prompt": prompt, "prompt_token_ids": token_ids})
         return inputs
 
     async def chat_prompt(self, request: ChatCompletionRequest) -> list[dict]:
@@ -106,28 +104,24 @@ class OpenAIServing:
         """Each prompt a request of the engine's; the answer, or a stream of chunks."""
         self.model(request.model)
         lens = [len(p["prompt_token_ids"]) for p in prompts]
-        params = sampling_params(request, lens, chat, self.max_model_len)
+        params = sampling_params(request, lens, chat, self.engine.config.max_model_len)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         top_n = (request.top_logprobs or 0) if chat else request.logprobs
         options = request.stream_options or StreamOptions()
         usage = bool(options.include_usage)
         chunker = Chunker(request_id, self.model_name, chat, params.n, prompts, top_n,
-                          not chat and request.echo, self.tokenizer,
+                          not chat and request.echo, self.engine.tokenizer,
                           continuous_usage=usage and bool(options.continuous_usage_stats))
         streams = [self.engine.generate(prompt, params, f"{request_id}-{i}")
                    for i, prompt in enumerate(prompts)]
         outputs = engine_errors(merge(streams), field_names(request, chat), request_id)
-        if not request.stream:   # the answer, unless the client goes away first (then: abort)
+        # The answer, or the stream, unless the client goes away first (a 499; this aborts them)
+        if not request.stream:
             async def answer():
-                finals = [None] * len(prompts)
-                async for i, out in outputs:
-                    finals[i] = out
-                return chunker.final(finals)
-            response = await until_disconnected(raw, answer())
-            return Response(status_code=499) if response is None else response
+                finals = {i: out async for i, out in outputs}   # (prompt i: its final output)
+                return chunker.final([finals[i] for i in range(len(prompts))])
+            return await until_disconnected(raw, answer())
         first = await until_disconnected(raw, outputs.__anext__())   # (a bad request: still a 400)
-        if first is None:
-            return Response(status_code=499)
         return StreamingResponse(events(first, outputs, chunker, usage, request_id),
                                  media_type="text/event-stream")
 

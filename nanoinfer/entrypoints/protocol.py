@@ -26,6 +26,8 @@ REFUSED = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "
            "function_call": (None, "none", "auto"), "suffix": (None, ""), "guided_grammar": (None,),
            "use_beam_search": (None, False), "audio": (None,), "modalities": (None, ["text"]),
            "allowed_token_ids": (None,)}
+# vLLM's guided_* fields, and the GuidedDecodingParams field of each (response_format's: json)
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
 # a logit_bias key: a token id, as a string (JSON's keys are)
 TokenId = Annotated[str, Field(pattern="^[0-9]+$")]
 
@@ -100,8 +102,7 @@ def check_fields(request) -> None:
 def guided_decoding(request) -> GuidedDecodingParams | None:
     """response_format, or vLLM's guided_json / guided_regex / guided_choice: one at most (two
     are refused, naming both, never one silently taken over the other)."""
-    given = {name: getattr(request, name) for name in ("guided_json", "guided_regex",
-                                                       "guided_choice")}
+    given = {name: getattr(request, name) for name in GUIDED}
     fmt = request.response_format or {"type": "text"}
     if fmt.get("type") == "json_object":
         given["response_format"] = {"type": "object"}
@@ -118,19 +119,18 @@ def guided_decoding(request) -> GuidedDecodingParams | None:
     if len(given) > 1:
         raise APIError(400, f"one constraint at most: {' and '.join(given)} were both given",
                        next(iter(given)))
-    kinds = {"guided_regex": "regex", "guided_choice": "choice"}   # (the others: JSON)
     if not given:
         return None
     (name, value), = given.items()
-    return GuidedDecodingParams(**{kinds.get(name, "json"): value})
+    return GuidedDecodingParams(**{GUIDED.get(name, "json"): value})
 
 
 def field_names(request, chat: bool) -> dict[str, str]:
     """SamplingParams' fields by the names the request gave them (the others: the same)."""
-    guided = [f for f in ("guided_json", "guided_regex", "guided_choice")
-              if getattr(request, f) is not None]
+    guided = [name for name in GUIDED if getattr(request, name) is not None]
     chat_max = chat and request.max_completion_tokens is not None
-    return {"guided_decoding": (guided or ["response_format"])[0], "prompt": where(chat),
+    return {"guided_decoding": (guided or ["response_format"])[0],
+            "prompt": "messages" if chat else "prompt",
             "logprobs": "top_logprobs" if chat else "logprobs",
             "max_tokens": "max_completion_tokens" if chat_max else "max_tokens"}
 
@@ -138,14 +138,15 @@ def field_names(request, chat: bool) -> dict[str, str]:
 def sampling_params(request, prompt_lens: list[int], chat: bool, max_model_len: int
                     ) -> SamplingParams:
     check_fields(request)
-    if max(prompt_lens) >= max_model_len:
-        raise APIError(400, f"the prompt has {max(prompt_lens)} tokens; this model's maximum "
-                            f"context length is {max_model_len} (prompt and output)", where(chat))
     names = field_names(request, chat)
+    longest = max(prompt_lens)   # (of the request's prompts)
+    if longest >= max_model_len:
+        raise APIError(400, f"the prompt has {longest} tokens; this model's maximum context "
+                            f"length is {max_model_len} (prompt and output)", names["prompt"])
     max_tokens = getattr(request, names["max_tokens"])
-    if max_tokens is not None and max(prompt_lens) + max_tokens > max_model_len:
+    if max_tokens is not None and longest + max_tokens > max_model_len:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the "
-                            f"prompt has {max(prompt_lens)} and {names['max_tokens']} asks for "
+                            f"prompt has {longest} and {names['max_tokens']} asks for "
                             f"{max_tokens} more", names["max_tokens"])
     if chat and request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -167,10 +168,6 @@ def sampling_params(request, prompt_lens: list[int], chat: bool, max_model_len: 
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
     except ValueError as e:
         raise api_error(e, names) from e
-
-
-def where(chat: bool) -> str:
-    return "messages" if chat else "prompt"
 
 
 class Chunker:

@@ -39,9 +39,7 @@ class MessageQueue:
         self.owner = True                # this process made the segment and removes it
 
     def __getstate__(self):   # what a worker process receives: the segment's name, not its memory
-        state = self.__dict__.copy()
-        state.update(shm=self.shm.name, reader=None, owner=False)
-        return state
+        return {**self.__dict__, "shm": self.shm.name, "reader": None, "owner": False}
 
     def __setstate__(self, state):
         self.__dict__.update(state)

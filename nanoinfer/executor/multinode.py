@@ -36,7 +36,7 @@ from multiprocessing.connection import Connection, wait
 
 from nanoinfer.config import Config
 from nanoinfer.executor.message_queue import MessageQueue
-from nanoinfer.executor.multiproc_executor import start_worker
+from nanoinfer.executor.multiproc_executor import start_workers
 from nanoinfer.executor.node_link import hang_up, join
 from nanoinfer.utils import stop_processes
 
@@ -46,18 +46,12 @@ def run_headless(config: Config) -> int:
     and return an exit status: 0 after the head's "shutdown", 1 when the head or a rank is lost."""
     conn, config = join(config, (config.master_addr, config.master_port + 1), config.node_rank,
                         "node")
-    ranks = config.node_ranks
-    calls = MessageQueue(num_readers=len(ranks))
+    calls = MessageQueue(num_readers=len(config.node_ranks))
     responses = MessageQueue(num_readers=1)   # (written if the driver is on this node)
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
+    errors = mp.get_context("spawn").SimpleQueue()
     workers = []
     try:
-        for rank in ranks:
-            workers.append(start_worker(ctx, config, rank, f"tcp://{config.master_addr}:"
-                                        f"{config.master_port}", calls,
-                                        responses if rank == config.driver_rank else None, errors))
-        responses.as_reader(0)
+        start_workers(workers, config, calls, responses, errors)
         threading.Thread(target=send_outputs, args=(responses, conn), daemon=True).start()
         return relay_calls(conn, calls, workers, errors)
     except (EOFError, OSError) as e:
@@ -82,8 +76,7 @@ def relay_calls(conn: Connection, calls: MessageQueue, workers: list, errors) ->
             call = conn.recv()
             calls.enqueue(call, check)
             if call[0] == "shutdown":
-                for worker in workers:
-                    worker.join(5)
+                stop_processes(workers, 5)
                 return 0
     while not errors.empty():
         print(f"nanoinfer: {errors.get()[1]}", file=sys.stderr, flush=True)

@@ -73,24 +73,17 @@ class MultiprocExecutor:
         # The other nodes' links first (multinode.py): a refused node never meets a rank.
         self.links = (accept(config, (config.master_addr, config.master_port + 1), "node",
                              range(1, config.nnodes)) if config.nnodes > 1 else [])
-        ctx = mp.get_context("spawn")
-        ranks = config.node_ranks
-        self.queue = MessageQueue(num_readers=len(ranks))   # calls, to every rank of this node
+        self.queue = MessageQueue(num_readers=len(config.node_ranks))   # calls, to every rank here
         self.responses = MessageQueue(num_readers=1)   # the driver's outputs, to this process
-        self.errors = ctx.SimpleQueue()   # a dying worker's (ValueError message or None, traceback)
+        # what a dying worker reports: (its ValueError's message or None, its traceback)
+        self.errors = mp.get_context("spawn").SimpleQueue()
         self.workers: list[mp.Process] = []
         self.failure: str | None = None   # why a worker died, once one has
         self.setting_error: str | None = None   # the message of a ValueError a worker died of
         self.closed = False
         self.lock = threading.Lock()   # between shutdown() and the monitor thread
-        # torch.distributed's rendezvous: the head's TCPStore (one node's: at a free port)
-        init_method = f"tcp://{config.master_addr}:{config.master_port or free_port()}"
         try:
-            for rank in ranks:
-                self.workers.append(start_worker(ctx, config, rank, init_method, self.queue,
-                                                 self.responses if rank == config.driver_rank
-                                                 else None, self.errors))
-            self.responses.as_reader(0)
+            start_workers(self.workers, config, self.queue, self.responses, self.errors)
             threading.Thread(target=self.monitor_workers, daemon=True).start()
             for node, link in enumerate(self.links, start=1):   # (a writer of the ring each)
                 threading.Thread(target=read_node, args=(link, node, copy.copy(self.responses),
@@ -148,8 +141,7 @@ class MultiprocExecutor:
             finally:
                 stop_processes(self.workers, 0)
                 self.setting_error = next((m for m, _ in reports if m is not None), None)
-                detail = "".join(f"\n{r}" for _, r in reports) or hint
-                self.failure = reason + detail
+                self.failure = reason + ("".join(f"\n{r}" for _, r in reports) or hint)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers and remove the shared memory. Idempotent. `graceful=False` (after an
@@ -207,12 +199,20 @@ def read_node(conn: Connection, node: int, responses: MessageQueue, fail) -> Non
         fail(f"node {node} was lost: {str(e) or 'it closed the link'}")
 
 
-def start_worker(ctx, config: Config, rank: int, init_method: str, calls: MessageQueue,
-                 responses: MessageQueue | None, errors) -> mp.Process:
-    worker = ctx.Process(target=worker_main, name=f"nanoinfer-tp{rank}", daemon=True,
-                         args=(config, rank, init_method, calls, responses, errors))
-    worker.start()
-    return worker
+def start_workers(workers: list, config: Config, calls: MessageQueue, responses: MessageQueue,
+                  errors) -> None:
+    """Start this node's ranks, each added to `workers` once started (the caller stops them, also
+    after a failed start); the driver, if it is one of them, writes `responses`, read here."""
+    # torch.distributed's rendezvous: the head's TCPStore (one node's: at a free port)
+    init_method = f"tcp://{config.master_addr}:{config.master_port or free_port()}"
+    for rank in config.node_ranks:
+        worker = mp.get_context("spawn").Process(
+            target=worker_main, name=f"nanoinfer-tp{rank}", daemon=True,
+            args=(config, rank, init_method, calls,
+                  responses if rank == config.driver_rank else None, errors))
+        worker.start()
+        workers.append(worker)
+    responses.as_reader(0)
 
 
 @child_process   # (Ctrl-C is the engine's; the engine removes the shared memory)

@@ -60,8 +60,9 @@ def handshake(sock: socket.socket, role: bytes) -> Connection:
     """Prove the key to the peer and check its proof (`role` is b"head" or b"node": a proof is
     never valid the other way round); the link's connection."""
     key = cluster_key()
-    deadline = time.monotonic() + node_timeout()   # (for the whole of it: no slow drip)
-    sock.settimeout(node_timeout())
+    timeout = node_timeout()
+    deadline = time.monotonic() + timeout   # (for the whole of it: no slow drip)
+    sock.settimeout(timeout)
     challenge = secrets.token_bytes(32)
     sock.sendall(challenge)
     sock.sendall(hmac.digest(key, role + recv_exactly(sock, 32, deadline), "sha256"))
@@ -72,7 +73,6 @@ def handshake(sock: socket.socket, role: bytes) -> Connection:
     sock.settimeout(None)
     # The kernel ends the link when the peer's machine is gone or cut off: probes once it has
     # been idle for half the timeout, and a limit on data left unacknowledged.
-    timeout = node_timeout()
     for option, value in ((socket.TCP_KEEPIDLE, timeout / 2), (socket.TCP_KEEPINTVL, timeout / 8),
                           (socket.TCP_KEEPCNT, 4), (socket.TCP_USER_TIMEOUT, timeout * 1000)):
         sock.setsockopt(socket.IPPROTO_TCP, option, max(1, int(value)))
@@ -129,7 +129,7 @@ def accept(config: Config, address: tuple[str, int], what: str, ranks: range) ->
                                    f"{start_timeout():g} s (`serve ... --headless`)"
                                    + "".join(f"; {why}" for why in refused)) from None
             try:
-                rank, conn = admit(sock, config, mine, ranks, joined)
+                rank, conn = admit(sock, mine, ranks, joined)
                 joined[rank] = unless_all_join.enter_context(conn)   # (closed on an error)
             except Exception as e:   # (a wrong key, a stray client, a silent one, another model)
                 sock.close()
@@ -141,13 +141,11 @@ def accept(config: Config, address: tuple[str, int], what: str, ranks: range) ->
     return [joined[r] for r in ranks]
 
 
-def admit(sock: socket.socket, config: Config, mine: dict, ranks: range,
-          joined: dict) -> tuple[int, Connection]:
+def admit(sock: socket.socket, mine: dict, ranks: range, joined: dict) -> tuple[int, Connection]:
     """A connection, authenticated, then checked: a refused peer hears why."""
     conn = handshake(sock, b"head")   # (on an error below, the caller's drop of it closes it)
     rank, theirs = conn.recv() if conn.poll(node_timeout()) else (None, {})
-    refusal = refuse(mine, rank, theirs, ranks, joined)
-    if refusal is not None:
+    if (refusal := refuse(mine, rank, theirs, ranks, joined)) is not None:
         conn.send(refusal)
         conn.close()
         raise ValueError(refusal)

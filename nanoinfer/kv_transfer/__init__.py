@@ -41,6 +41,4 @@ from nanoinfer.kv_transfer.shared_storage import SharedStorageConnector
 def make_kv_connector(config: Config, rank: int | None = 0) -> SharedStorageConnector | None:
     """The configured connector (None if none is); `rank` is the worker's, in the world (None:
     the engine core's, for the scheduler's side only, beside workers of their own)."""
-    if config.kv_transfer is None:
-        return None
-    return SharedStorageConnector(config, rank)
+    return None if config.kv_transfer is None else SharedStorageConnector(config, rank)

@@ -128,9 +128,8 @@ class SharedStorageConnector:
                 meta, kv = f.metadata() or {}, f.get_tensor("kv")
         except Exception:
             return None
-        good = (meta.get("block_hash"), meta.get("layout"), meta.get("checksum")) == \
-            (block_hash, self.layout, checksum(kv))
-        return kv if good else None
+        wanted = {"block_hash": block_hash, "layout": self.layout, "checksum": checksum(kv)}
+        return kv if all(meta.get(k) == v for k, v in wanted.items()) else None
 
     def save_kv(self, blocks: list[tuple[int, int]], kv_cache: torch.Tensor) -> int:
         """Queue these (block id, hash) blocks of this rank's cache for writing; a ticket."""
@@ -163,8 +162,7 @@ class SharedStorageConnector:
         A failure (an OSError, safetensors' own errors) removes the temporary file and is
         returned, never raised: the writer thread counts it."""
         path, name = self.file(block_hash, self.rank), f"{block_hash:032x}"
-        stored = self.read(path, name)
-        if stored is not None and torch.equal(stored, block):
+        if (stored := self.read(path, name)) is not None and torch.equal(stored, block):
             return STORED
         temp = f"{path}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:

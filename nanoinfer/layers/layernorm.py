@@ -21,8 +21,7 @@ class RMSNorm(nn.Module):
             from nanoinfer.kernels.rms_norm import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
-            x = x + residual
-            residual = x
+            x = residual = x + residual
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * h.to(x.dtype)

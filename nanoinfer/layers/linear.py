@@ -21,8 +21,7 @@ from nanoinfer.distributed import get_tp_group, get_tp_size
 from nanoinfer.utils import require
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if x.is_cuda:   # (Triton is imported on a GPU only: the CPU path runs without it)
         from nanoinfer.kernels.gemv import linear as gpu_linear
         return gpu_linear(x, weight, bias)
@@ -31,18 +30,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class LinearBase(nn.Module):
     """A linear layer's parameters; each subclass's `weight_loader` says how it is split."""
+    # the checkpoint shards the parameters are made of (a packed layer's; checked by the loader)
+    shard_ids: tuple = (None,)
 
     def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
         self.tp_group = get_tp_group()   # (the forward's collectives use this very group)
         self.tp_rank, self.tp_size = self.tp_group.rank_in_group, self.tp_group.world_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader
+            param.shard_ids = self.shard_ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -61,12 +60,6 @@ def copy_shard(dst: torch.Tensor, loaded_weight, dim: int = 0, start: int = 0,
             f"checkpoint tensor has shape {tuple(shape)}, expected {tuple(expected)}")
     index = (slice(None),) * dim + (slice(start, start + dst.shape[dim]),)
     dst.copy_(loaded_weight[index])
-
-
-def set_shard_ids(layer: nn.Module, shard_ids: tuple) -> None:
-    """The checkpoint shards a packed layer's parameters are made of (checked by the loader)."""
-    for param in layer.parameters(recurse=False):
-        param.shard_ids = shard_ids
 
 
 class ColumnParallelLinear(LinearBase):
@@ -89,8 +82,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
+        self.shard_ids = tuple(range(len(output_sizes)))   # (read by LinearBase.__init__)
         super().__init__(input_size, sum(output_sizes), bias)
-        set_shard_ids(self, tuple(range(len(output_sizes))))
 
     def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id: int) -> None:
         """Copy this rank's slice of shard `shard_id` (a checkpoint tensor of
@@ -109,6 +102,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     With more ranks than KV heads, each rank holds one KV head, the one its query heads use:
     tensor_parallel_size / num_key_value_heads ranks share (replicate) each KV head."""
+    shard_ids = ("q", "k", "v")
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False):
@@ -121,7 +115,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.total_num_kv_heads = total_num_kv_heads
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias)
-        set_shard_ids(self, ("q", "k", "v"))
 
     def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id: str) -> None:
         """Copy this rank's heads of the checkpoint's q, k or v projection (`shard_id` "q", "k" or

@@ -20,11 +20,10 @@ from torch import nn
 
 def rope_config(hf_config) -> tuple[float, dict | None]:
     """(theta, scaling) from either config form; scaling is None for plain RoPE."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if params and "rope_theta" in params:
-        theta = params["rope_theta"]
-        scaling = params
-    else:
+    scaling = getattr(hf_config, "rope_parameters", None)   # transformers 5: theta in it too
+    if scaling and "rope_theta" in scaling:
+        theta = scaling["rope_theta"]
+    else:   # transformers 4
         theta = getattr(hf_config, "rope_theta", 10000.0)
         scaling = getattr(hf_config, "rope_scaling", None)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))

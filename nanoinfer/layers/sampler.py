@@ -197,11 +197,11 @@ class Sampler(nn.Module):
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
         token_ids = self.sample(logits, meta).unsqueeze(1)
-        out = SamplerOutput(token_ids)
-        if raw_logprobs is not None:
-            out.logprob_token_ids, out.logprobs, out.sampled_token_ranks = gather_logprobs(
-                raw_logprobs, token_ids, meta.max_num_logprobs)
-        return out
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids)
+        # (the logprob token ids, the logprobs, the sampled tokens' ranks)
+        return SamplerOutput(token_ids, *gather_logprobs(raw_logprobs, token_ids,
+                                                         meta.max_num_logprobs))
 
     @staticmethod
     def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

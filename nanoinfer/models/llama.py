@@ -141,6 +141,8 @@ class LlamaForCausalLM(nn.Module):
             self.skipped_weights += ("model.embed_tokens.",)
         if not last:
             self.skipped_weights += ("model.norm.", "lm_head.")
+        elif self.tie_word_embeddings:   # (tied: the checkpoint's head is the embedding's tensor)
+            self.skipped_weights += ("lm_head.weight",)
         self.renamed_weights = (
             {"model.embed_tokens.weight": "lm_head.weight"} if tied_elsewhere else {})
 

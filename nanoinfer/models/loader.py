@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from nanoinfer.layers.linear import copy_shard
+from nanoinfer.utils import require
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight) -> None:
@@ -25,18 +26,16 @@ def default_weight_loader(param: nn.Parameter, loaded_weight) -> None:
 
 def load_model(model: nn.Module, path: str) -> None:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {path!r}")
+    require(len(files) > 0, f"no *.safetensors weights in {path!r}")
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {name: set() for name in params}
     skipped = getattr(model, "skipped_weights", ())
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                # Not read: a buffer some old checkpoints store (recomputed from the config), a
-                # tied LM head (the embedding is), or what the model does without.
-                if name.endswith("rotary_emb.inv_freq") or name.startswith(skipped) \
-                        or name == "lm_head.weight" and model.tie_word_embeddings:
+                # Not read: a buffer some old checkpoints store (recomputed from the config), or
+                # what the model does without (a tied LM head's weight, say: the embedding is it).
+                if name.endswith("rotary_emb.inv_freq") or name.startswith(skipped):
                     continue
                 target, shard_id = getattr(model, "renamed_weights", {}).get(name, name), None
                 for ckpt_name, (packed_name, packed_shard) in model.packed_modules_mapping.items():
@@ -44,9 +43,8 @@ def load_model(model: nn.Module, path: str) -> None:
                         target, shard_id = name.replace(ckpt_name, packed_name), packed_shard
                         break
                 param = params.get(target)
-                if param is None:
-                    raise ValueError(f"unexpected tensor {name!r} in {file}: "
-                                     "the model has no such parameter")
+                require(param is not None,
+                        f"unexpected tensor {name!r} in {file}: the model has no such parameter")
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
                     tensor = f.get_slice(name)   # read lazily: each rank reads only its part

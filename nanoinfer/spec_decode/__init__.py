@@ -30,5 +30,4 @@ def make_drafter(config, target, tp_group):
         return EagleProposer(spec.model, k, target, hf, config.max_model_len, config.block_size,
                              tp_group)
     from nanoinfer.spec_decode.medusa import Medusa
-    return Medusa(spec.model, k, hf.hidden_size, hf.vocab_size) if tp_group.rank_in_group == 0 \
-        else None
+    return Medusa(spec.model, k, hf.hidden_size, hf.vocab_size) if tp_group.is_first else None

@@ -35,7 +35,6 @@ from nanoinfer.utils import require
 
 class EagleModel(nn.Module):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
-    tie_word_embeddings = False
     skipped_weights = ("embed_tokens.weight",)
 
     def __init__(self, config, max_position: int):
@@ -115,8 +114,7 @@ class EagleProposer:
         bs = self.block_size
         slots = block_tables.gather(1, col).squeeze(1).long() * bs + positions % bs
         cu_seqlens_q = torch.arange(len(positions) + 1, dtype=torch.int32, device=positions.device)
-        return AttentionMetadata(cu_seqlens_q=cu_seqlens_q,
-                                 context_lens=(positions + 1).to(torch.int32),
-                                 slot_mapping=torch.where(inside, slots, -1),
-                                 block_tables=block_tables, max_seqlen_q=1)
+        return AttentionMetadata(
+            cu_seqlens_q=cu_seqlens_q, context_lens=(positions + 1).to(torch.int32),
+            slot_mapping=torch.where(inside, slots, -1), block_tables=block_tables, max_seqlen_q=1)
 

@@ -39,7 +39,6 @@ class ResidualBlock(nn.Module):
 
 class Medusa(nn.Module):
     packed_modules_mapping: dict = {}
-    tie_word_embeddings = False
 
     def __init__(self, path: str, k: int, hidden_size: int, vocab_size: int):
         super().__init__()

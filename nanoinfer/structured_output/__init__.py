@@ -116,9 +116,9 @@ class StructuredOutputManager:
         if index is None:
             index = TokenIndex(compile_regex(regex), self.vocab)
             index.bitmask(index.dfa.start)
-            def stale() -> bool:   # closed, or the index left the cache
-                return self.closed or self.indexes.get(regex) is not index
-            self.warmer.submit(index.warm, stale)
+            # (warming stops once the manager is closed, or the index has left the cache)
+            self.warmer.submit(index.warm,
+                               lambda: self.closed or self.indexes.get(regex) is not index)
             if len(self.indexes) >= MAX_CACHED_GRAMMARS:
                 self.evicted.append(self.indexes.pop(next(iter(self.indexes))))   # the oldest
             self.indexes[regex] = index
@@ -131,20 +131,15 @@ class StructuredOutputManager:
         while self.evicted:   # grammars that left the cache: drop their rows, so they can be freed
             index = self.evicted.pop()
             self.rows = {key: row for key, row in self.rows.items() if key[0] is not index}
-        seq_ids = []
-        num_rows = []
-        keys = []
-        for seq_id, grammar, drafts in samples:
-            states = grammar.states(drafts)
-            seq_ids.append(seq_id)
-            num_rows.append(len(states))
-            keys += [(grammar.index, state) for state in states]
+        # per request: (grammar, state) for its state now and after each draft
+        request_keys = [[(grammar.index, state) for state in grammar.states(drafts)]
+                        for _, grammar, drafts in samples]
+        keys = [key for request in request_keys for key in request]
         if not keys:
             return None
         new_keys = {key: None for key in keys if key not in self.rows}   # (in order, once each)
         if self.next_row + len(new_keys) > MAX_MASK_ROWS + 1:   # the table is full: start it again
-            self.rows = {}
-            self.next_row = 1
+            self.reset()
             new_keys = dict.fromkeys(keys)
         for key in new_keys:
             self.rows[key] = self.next_row
@@ -152,8 +147,10 @@ class StructuredOutputManager:
         new_masks = None
         if new_keys:
             new_masks = np.stack([index.bitmask(state) for index, state in new_keys])
-        return GrammarOutput(seq_ids, num_rows, [self.rows[key] for key in keys],
-                             [self.rows[key] for key in new_keys], new_masks)
+        return GrammarOutput(seq_ids=[seq_id for seq_id, _, _ in samples],
+                             num_rows=[len(request) for request in request_keys],
+                             mask_rows=[self.rows[key] for key in keys],
+                             new_rows=[self.rows[key] for key in new_keys], new_masks=new_masks)
 
     def wait_for_compilation(self) -> None:
         """Nothing to run but grammars compiling: wait for one a little, rather than spin."""
@@ -162,9 +159,10 @@ class StructuredOutputManager:
             wait(self.compiling, timeout=0.05, return_when=FIRST_COMPLETED)
 
     def reset(self) -> None:
-        """Forget which masks the device holds (after an abort of everything, the runner may
-        have missed a step's)."""
-        self.rows.clear()
+        """Forget which masks the device holds, and fill its table from row 1 again (when it is
+        full; after an abort of everything, where the runner may have missed a step's)."""
+        self.rows = {}
+        self.next_row = 1
 
     def shutdown(self) -> None:
         self.closed = True

@@ -24,6 +24,7 @@ Keywords beside `$ref`, `anyOf` and `allOf` hold too: the schemas are merged (`m
 types its keywords are about (`minLength`: a string; `properties`: an object), or any JSON value
 nested at most `ANY_DEPTH` deep if it has none. Anything else is a ValueError naming the keyword.
 """
+import functools
 import json
 import re
 from urllib.parse import unquote
@@ -110,8 +111,7 @@ class SchemaCompiler:
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema must be an object, got {schema!r}")
         schema = as_enum(schema)
-        unknown = set(schema) - KEYWORDS - ANNOTATIONS
-        if unknown:
+        if unknown := set(schema) - KEYWORDS - ANNOTATIONS:
             raise ValueError(f"unsupported JSON schema keyword {sorted(unknown)[0]!r}")
         for key in ("enum", "anyOf", "allOf", "type"):
             if schema.get(key) == []:
@@ -119,11 +119,8 @@ class SchemaCompiler:
                                     "nothing")
         if "$ref" in schema:
             return self.ref(schema)
-        if "allOf" in schema:
-            merged = without(schema, "allOf")
-            for sub in schema["allOf"]:
-                merged = merge(merged, sub)
-            return self.compile(merged)
+        if "allOf" in schema:   # the other keywords merged with each schema of allOf in turn
+            return self.compile(functools.reduce(merge, schema["allOf"], without(schema, "allOf")))
         if "anyOf" in schema:
             return self.any_of(schema)
         if "enum" in schema:
@@ -204,16 +201,13 @@ class SchemaCompiler:
         props = schema.get("properties", {})
         if not isinstance(props, dict):
             raise ValueError(f"JSON schema keyword 'properties' must be an object, got {props!r}")
-        props = dict(props)
         required = schema.get("required", [])
         names = [*required, *props] if isinstance(required, list) else [None]
         if not all(isinstance(name, str) for name in names):
             raise ValueError(f"JSON schema property names must be strings, got {required!r}")
-        for name in required:   # (required without a schema of its own: additionalProperties')
-            props.setdefault(name, extra)
-        if not props:   # any object (whose values follow additionalProperties)
-            if extra is False:
-                return r"\{\}"
+        # (a required property without a schema of its own: additionalProperties' is its schema)
+        props = props | {name: extra for name in required if name not in props}
+        if not props and extra is not False:   # any object, its values following `extra`
             return rf"\{{{repeat(f'{STRING}:{WS}{self.compile(extra)}', 0, None)}\}}"
         parts = []
         for name, sub in props.items():
@@ -222,8 +216,6 @@ class SchemaCompiler:
             except Unsatisfiable:
                 if name in required:
                     raise
-        if not parts:
-            return r"\{\}"
 
         def after(i: int) -> str:   # properties i.. when one was written before them
             return "".join(f"{SEP}{p}" if req else f"({SEP}{p})?" for p, req in parts[i:])
@@ -233,7 +225,7 @@ class SchemaCompiler:
                 return ""
             p, req = parts[i]
             return p + after(i + 1) if req else f"({p}{after(i + 1)}|{first(i + 1)})"
-        return rf"\{{{first(0)}\}}"
+        return rf"\{{{first(0)}\}}"   # (no property that can be written: `{}`)
 
     def ref(self, schema: dict) -> str:
         """A local JSON pointer (#/...), with the keywords beside it."""

@@ -92,13 +92,11 @@ class TokenIndex:
         not have). `vocab.ids`, `lengths` and `matrix` hold the tokens that have bytes, as rows of
         a byte matrix (zero-padded), for walking them all at once."""
         vocab = self.vocab
-        table = self.dfa.table
-        byte_class = self.dfa.byte_class
         ends = np.zeros(vocab.size, np.int32)
         rows = np.arange(len(vocab.ids))
         states = np.full(len(rows), state, np.int32)
         for j in range(vocab.matrix.shape[1]):
-            states = table[states, byte_class[vocab.matrix[rows, j]]]
+            states = self.dfa.table[states, self.dfa.byte_class[vocab.matrix[rows, j]]]
             ended = vocab.lengths[rows] == j + 1
             ends[vocab.ids[rows[ended]]] = states[ended]
             keep = ~ended & (states != 0)
@@ -138,10 +136,9 @@ class TokenIndex:
             state = todo.popleft()
             ends = self.next_states(state)
             self.bitmask(state, ends)
-            for target in np.unique(ends[ends != 0]).tolist():
-                if target not in seen:
-                    seen.add(target)
-                    todo.append(target)
+            targets = [t for t in np.unique(ends[ends != 0]).tolist() if t not in seen]
+            seen.update(targets)
+            todo.extend(targets)
 
     def advance(self, state: int, token_id: int) -> int:
         """The state after `token_id` (EOS and tokens without bytes lead to the dead state 0)."""

@@ -14,10 +14,11 @@ from nanoinfer.core.messages import LogprobsLists, ModelRunnerOutput
 from nanoinfer.layers.sampler import SamplerOutput
 
 
-def to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
-    """Copies to the host queued behind the step's kernels, and an event after them (a CUDA
-    tensor's; None on the CPU, where the copies are done at once)."""
-    copies = [t.to("cpu", non_blocking=True) for t in tensors]
+def to_host(tensors: list[torch.Tensor | None]) -> tuple[list, torch.cuda.Event | None]:
+    """Copies to the host queued behind the step's kernels (a None, an optional output left out,
+    stays None; the first must be a tensor), and an event after them (a CUDA tensor's; None on
+    the CPU, where the copies are done at once)."""
+    copies = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
     if not tensors[0].is_cuda:
         return copies, None
     copied = torch.cuda.Event()
@@ -47,11 +48,9 @@ class AsyncModelRunnerOutput:
         self.drafts = None if drafts is None else drafts.to("cpu", non_blocking=True)
         # Copies queued behind the step's kernels: the host goes on meanwhile.
         if sampled is not None:
-            fields = (sampled.sampled_token_ids, sampled.logprob_token_ids, sampled.logprobs,
-                      sampled.sampled_token_ranks)
-            copies, self.copied = to_host([t for t in fields if t is not None])
-            copies = iter(copies)
-            self.sampled = SamplerOutput(*(None if t is None else next(copies) for t in fields))
+            copies, self.copied = to_host([sampled.sampled_token_ids, sampled.logprob_token_ids,
+                                           sampled.logprobs, sampled.sampled_token_ranks])
+            self.sampled = SamplerOutput(*copies)
 
     def get_output(self) -> ModelRunnerOutput:
         # A KV connector's producer reports a step once its blocks are saved.
@@ -65,16 +64,14 @@ class AsyncModelRunnerOutput:
         token_ids = self.sampled.sampled_token_ids.tolist()
         if self.rows_per_request is not None:   # (verified drafts: rows padded with -1)
             token_ids = [[t for t in row if t >= 0] for row in token_ids]
-        out = ModelRunnerOutput(self.seq_ids, token_ids, kv_loaded=self.kv_loaded,
-                                prompt_logprobs=self.prompt_rows())
-        if self.drafts is not None:
-            out.spec_token_ids = self.drafts.tolist()
+        out = ModelRunnerOutput(
+            self.seq_ids, token_ids, kv_loaded=self.kv_loaded, prompt_logprobs=self.prompt_rows(),
+            spec_token_ids=None if self.drafts is None else self.drafts.tolist())
         # A request's emitted tokens' logprobs are those of its first sample rows.
         if self.sampled.logprobs is not None:
             per_request = self.rows_per_request or [1] * len(self.seq_ids)
             starts = itertools.accumulate(per_request, initial=0)
-            rows = [start + j for start, new in zip(starts, out.sampled_token_ids)
-                    for j in range(len(new))]
+            rows = [start + j for start, new in zip(starts, token_ids) for j in range(len(new))]
             s = self.sampled
             out.logprobs = LogprobsLists(*([t[r] for r in rows] for t in (
                 s.logprob_token_ids.tolist(), s.logprobs.tolist(), s.sampled_token_ranks.tolist())))

@@ -131,11 +131,10 @@ class InputBatch(SamplingInputs):
         for req in sched.scheduled_new_reqs:
             self.add_request(req)
         cached = sched.scheduled_cached_reqs
-        if cached.seq_ids:
-            rows = np.array([self.rows[s] for s in cached.seq_ids], np.int64)
-            append_rows(self.token_ids, self.num_tokens, rows, cached.new_token_ids)
-            append_rows(self.block_table, self.num_blocks, rows, cached.new_block_ids)
-            self.num_computed_tokens[rows] = cached.num_computed_tokens
+        rows = np.array([self.rows[s] for s in cached.seq_ids], np.int64)
+        append_rows(self.token_ids, self.num_tokens, rows, cached.new_token_ids)
+        append_rows(self.block_table, self.num_blocks, rows, cached.new_block_ids)
+        self.num_computed_tokens[rows] = cached.num_computed_tokens
         # Drafts are written after the known tokens, without being counted.
         for seq_id, drafts in sched.scheduled_spec_decode_tokens.items():
             row = self.rows[seq_id]
@@ -250,8 +249,7 @@ class InputBatch(SamplingInputs):
         drafts = [sched.scheduled_spec_decode_tokens.get(s, []) for s in step.sample_seq_ids]
         width = max(map(len, drafts))
         padded = np.array([d + [-1] * (width - len(d)) for d in drafts], np.int64)
-        step.draft_token_ids, step.num_drafts = self.to_device(
-            np.int64, padded.reshape(-1, width), num_drafts)
+        step.draft_token_ids, step.num_drafts = self.to_device(np.int64, padded, num_drafts)
         step.rows_per_request = (num_drafts + 1).tolist()
 
     def eagle_inputs(self, step: StepInputs, rows: np.ndarray, end: np.ndarray,
@@ -262,8 +260,8 @@ class InputBatch(SamplingInputs):
         next_ids = np.where(end < self.num_tokens[rows], self.token_ids[rows, after], 0)
         step.last_rows, step.next_token_ids = self.to_device(np.int64, cu_seqlens_q[1:] - 1,
                                                              next_ids)
-        width = min(cdiv(int(end.max()) + self.lookahead, self.block_size),
-                    self.block_table.shape[1])
+        # (the slice below stops at the table's last column)
+        width = cdiv(int(end.max()) + self.lookahead, self.block_size)
         (step.sample_block_tables,) = self.to_device(np.int32,
                                                      self.block_table[rows[sample], :width])
 
@@ -273,8 +271,6 @@ class InputBatch(SamplingInputs):
         chunk before each (the prompt's last position predicts the output, not a prompt token).
         (layout, flat indices, tokens, the most top-N asked), or None if none wants them."""
         wanted = self.sampling["prompt_logprobs"][rows]   # (-1: not wanted)
-        if not (wanted >= 0).any():
-            return None
         layout = []
         index = []
         targets = []

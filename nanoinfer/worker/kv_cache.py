@@ -22,9 +22,8 @@ def check_kv_cache_holds_max_model_len(config: Config, kv_cache_bytes: float | N
     `kv_cache_bytes`); a ValueError if they cannot hold one sequence of max_model_len tokens."""
     num_blocks = config.num_kvcache_blocks
     if num_blocks is None:
-        if kv_cache_bytes is None:
-            kv_cache_bytes = config.cpu_kvcache_space_gb * 2**30
-        num_blocks = int(kv_cache_bytes) // (config.block_size * bytes_per_token)
+        space = config.cpu_kvcache_space_gb * 2**30 if kv_cache_bytes is None else kv_cache_bytes
+        num_blocks = int(space) // (config.block_size * bytes_per_token)
     require(num_blocks * config.block_size >= config.max_model_len,
             f"the KV cache holds {max(num_blocks, 0) * config.block_size} tokens, fewer than "
             f"max_model_len={config.max_model_len}: lower max_model_len or give the cache more "
@@ -38,8 +37,7 @@ def allocate_kv_cache(layers: list, num_blocks: int, block_size: int, dtype: tor
     kv_cache = torch.empty(2, len(layers), num_blocks, block_size, layers[0].num_kv_heads,
                            layers[0].head_dim, dtype=dtype, device=device)
     for i, layer in enumerate(layers):
-        layer.k_cache = kv_cache[0, i]
-        layer.v_cache = kv_cache[1, i]
+        layer.k_cache, layer.v_cache = kv_cache[:, i]
     return kv_cache
 
 

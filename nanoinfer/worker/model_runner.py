@@ -68,7 +68,6 @@ class ModelRunner:
     def __init__(self, config: Config, kv_connector=None):
         self.config = config
         self.dtype = config.torch_dtype
-        self.block_size = config.block_size
         self.device = torch.device(config.device)
         if self.device.type == "cuda":   # (under tensor parallelism: this rank's GPU)
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -155,10 +154,9 @@ class ModelRunner:
         if not sched.num_scheduled_tokens:
             return executed
         executed.step = step = self.input_batch.prepare_inputs(sched)
-        hidden_states = self.run_model(step)
+        executed.hidden_states = hidden_states = self.run_model(step)
         if hidden_states is None:   # (a pipeline stage before the last: sent on)
             return executed
-        executed.hidden_states = hidden_states
         if step.prompt_logprobs is not None:
             executed.prompt_logprobs = self.score_prompts(step, hidden_states)
         if step.sample_seq_ids:
@@ -200,8 +198,7 @@ class ModelRunner:
         `grammar`: the bitmask of the constrained requests' rows (structured output)."""
         step = executed.step
         hidden_states = executed.hidden_states
-        sampled = None
-        drafts = None
+        sampled = drafts = None
         if executed.logits is not None:
             # This rank samples: the base path.
             sampled, drafts = self.sample(step, executed.logits, hidden_states, grammar)
@@ -215,10 +212,9 @@ class ModelRunner:
         # The step's blocks are saved after EAGLE's layer too, and its output waits for them.
         kv_saved = self.save_kv(executed.kv_saves) if executed.kv_saves else None
         return AsyncModelRunnerOutput(
-            seq_ids=step.sample_seq_ids if sampled else [], sampled=sampled,
-            rows_per_request=step.rows_per_request if step else None, drafts=drafts,
-            kv_loaded=executed.kv_loaded, prompt_logprobs=executed.prompt_logprobs,
-            kv_saved=kv_saved)
+            seq_ids=step.sample_seq_ids if sampled else [], sampled=sampled, drafts=drafts,
+            rows_per_request=step.rows_per_request if step else None, kv_loaded=executed.kv_loaded,
+            prompt_logprobs=executed.prompt_logprobs, kv_saved=kv_saved)
 
     def sample(self, step: StepInputs, logits: torch.Tensor, hidden_states: torch.Tensor,
                grammar: GrammarOutput | None) -> tuple[SamplerOutput, torch.Tensor | None]:
