@@ -11,7 +11,7 @@ def list_assignments() -> int:
     for a in ASSIGNMENTS:
         started = "  (started)" if os.path.exists(state_dir(a)) else ""
         print(f"{a.number:2d}. {a.title}{started}\n    {a.doc}; ARCHITECTURE.md: {a.chapter}")
-    print("\npython -m course start N | check N [--gpu] | reset N [--force]")
+    print("\npython -m course start N | check N [N ...] [--gpu] | reset N [--force]")
     return 0
 
 

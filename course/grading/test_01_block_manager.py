@@ -94,7 +94,8 @@ def test_allocate_all_or_nothing():
 
 
 def test_block_order():
-    """Blocks never used come first in order, then freed blocks, the oldest freed first"""
+    """Blocks never used come first, then the oldest freed; a sequence frees its last block first
+    (the never-used ones in the order of their ids)"""
     bm = BlockManager(6, BS, enable_prefix_caching=False)
     a, b = seq_of(range(8)), seq_of(range(20, 28))
     assert bm.allocate_slots(a, 8) == [0, 1]
@@ -102,7 +103,9 @@ def test_block_order():
     bm.free(a)   # its tail first: 1, then 0
     bm.free(b)   # then 3, 2
     c = seq_of(range(40, 64))   # 6 blocks: the two never used, then the freed ones in order
-    assert bm.allocate_slots(c, 24) == [4, 5, 1, 0, 3, 2]
+    assert bm.allocate_slots(c, 24) == [4, 5, 1, 0, 3, 2], \
+        "the never-used 4, 5, then the freed ones, oldest first: free releases a sequence's " \
+        "last block first (a's 1 before its 0, then b's 3 before its 2)"
     assert bm.num_free_blocks == 0
 
 

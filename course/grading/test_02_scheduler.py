@@ -127,10 +127,14 @@ def test_chunked_prefill(llama_dir):
     # more of b; step 3: the 9 that end b's prompt; then both decode.
     assert steps == [[10, 6], [1, 15], [1, 9], [1, 1]]
     # Only the step that reaches a sequence's last token samples it (an output placeholder).
-    assert placeholders == [[1, 0], [1, 0], [1, 1], [1, 1]]
+    assert placeholders == [[1, 0], [1, 0], [1, 1], [1, 1]], \
+        "a step samples a sequence (an output placeholder) only if it reaches its last token: " \
+        "a in every step, b from step 3 on"
     assert sampled == [[a.seq_id], [a.seq_id], [a.seq_id, b.seq_id], [a.seq_id, b.seq_id]]
     # Where each of b's steps starts, as the step message says.
-    assert starts == [0, 6, 21, 30]
+    assert starts == [0, 6, 21, 30], \
+        "each of b's steps starts where its num_computed_tokens stood before the step: 0, 6, " \
+        "21, 30"
     assert b.num_computed_tokens == 31 and b.num_output_tokens == 2
 
 
@@ -242,7 +246,10 @@ def test_step_message(llama_dir, workload, budget, max_seqs, num_blocks):
             seq = scheduler.requests[seq_id]
             assert runner.token_ids[seq_id] == seq.token_ids
             assert runner.block_ids[seq_id] == seq.block_table
-            assert starts[seq_id] + n == seq.num_computed_tokens <= seq.num_tokens
+            assert starts[seq_id] == seq.num_computed_tokens - n, \
+                f"request {seq_id}'s step starts where its num_computed_tokens stood before " \
+                f"the step, {seq.num_computed_tokens - n}; the message says {starts[seq_id]}"
+            assert seq.num_computed_tokens <= seq.num_tokens
             assert len(seq.block_table) * BS >= seq.num_computed_tokens
     run_workload(scheduler, workload, check)
 

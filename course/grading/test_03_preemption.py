@@ -161,7 +161,9 @@ def test_what_the_runner_forgets(llama_dir):
     scheduler.update_from_output(ModelRunnerOutput(seq_ids=[d.seq_id, e.seq_id],
                                                    sampled_token_ids=sample_tokens))
     step3 = scheduler.schedule()
-    assert step3.finished_seq_ids == {d.seq_id, e.seq_id}
+    assert step3.finished_seq_ids == {d.seq_id, e.seq_id}, \
+        f"step 3 tells the runner to forget d ({d.seq_id}, finished) and e ({e.seq_id}): a " \
+        "sequence preempted in an unsent step must be forgotten with the next step sent"
     assert [(r.seq_id, r.token_ids) for r in step3.scheduled_new_reqs] == [(e.seq_id,
                                                                            e.token_ids)]
     assert step1.finished_seq_ids == set() and scheduler.schedule().finished_seq_ids == set()
