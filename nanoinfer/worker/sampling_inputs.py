@@ -124,6 +124,7 @@ class SamplingInputs:
         last_input = step.input_ids[step.logits_indices[rows_t]]
         token_ids[torch.arange(len(which), device=self.device), last] = last_input
         (is_output,) = self.to_device(np.bool_, cols >= self.num_prompt_tokens[rows][:, None])
-        return Penalties(rows_t, token_ids, is_output, *self.to_device(
-            np.float32, s["presence"][which], s["frequency"][which], s["repetition"][which]))
+        presence, frequency, repetition = self.to_device(
+            np.float32, s["presence"][which], s["frequency"][which], s["repetition"][which])
+        return Penalties(rows_t, token_ids, is_output, presence, frequency, repetition)
 
